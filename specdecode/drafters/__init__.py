@@ -1,0 +1,54 @@
+"""Drafter registry: method name -> drafter construction.
+
+Contract: `build_drafter(method, target, drafter_spec, ...)` returns a ready `Drafter`, or raises
+`SpecDecodeError` naming the valid methods / what drafter model to pass. Nothing
+method-specific lives outside `specdecode/drafters/`.
+"""
+
+from __future__ import annotations
+
+from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.base import DraftRow, Drafter, Proposal
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.errors import SpecDecodeError
+
+METHODS = ("ar", "ngram", "draft")
+DEFAULT_NUM_DRAFT = {"ar": 0, "ngram": 6, "draft": 5}
+# Default drafter model per target alias for the classic draft-model method.
+DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+__all__ = ["METHODS", "DraftRow", "Drafter", "Proposal", "build_drafter"]
+
+
+def _num_params(model) -> int:
+    params = getattr(model, "parameters", None)
+    return sum(p.numel() for p in params()) if params else 0
+
+
+def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="bf16", device=None) -> Drafter:
+    if method not in METHODS:
+        raise SpecDecodeError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if method != "draft" and drafter_spec is not None:
+        raise SpecDecodeError(f"--drafter is only used by --method draft, not {method!r}")
+    if method == "ar":
+        return ARDrafter()
+    if method == "ngram":
+        return NgramDrafter()
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.models.loader import load_model, same_tokenizer
+
+    spec = drafter_spec or DEFAULT_DRAFT_MODEL.get(target.name)
+    if spec is None:
+        raise SpecDecodeError(
+            f"--method draft needs a drafter model for target {target.name!r}: pass --drafter MODEL "
+            "(an alias, a Hugging Face directory or hub id of a smaller model with the same tokenizer)"
+        )
+    small = load_model(spec, dtype=dtype, device=device)
+    if not same_tokenizer(small.tokenizer, target.tokenizer):
+        raise SpecDecodeError(
+            f"drafter {spec!r} uses a different tokenizer than target {target.name!r}; "
+            "a draft model must share the target's tokenizer (same vocabulary and special tokens)"
+        )
+    n_t, n_d = _num_params(target.model), _num_params(small.model)
+    cost = n_d / n_t if n_t else 0.1
+    return DraftModelDrafter(small.model, target.vocab_size, target.model.info.vocab_size, cost_per_token=cost)

@@ -1,0 +1,101 @@
+"""Classic draft model (Leviathan et al. 2023; Chen et al. 2023).
+
+Contract: an independent small causal LM with the target's tokenizer drafts K tokens
+autoregressively with its own per-slot KV cache; drafts are sampled from the drafter's
+processed distribution q (same temperature / top-k / top-p as the target), which is returned
+for rejection sampling. The drafter's cache always holds a prefix of the committed sequence:
+each round it first feeds the committed tokens it has not seen (after a full accept that
+includes its own last draft), and after verification it keeps the rows of accepted drafts
+and rolls the rest back by not advancing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.drafters.base import DraftRow, Drafter, Proposal, empty_proposal
+from specdecode.sampling import process_logits_batch, sample
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+    deterministic = False
+
+    def __init__(self, drafter_model, vocab_size: int, target_vocab_rows: int, cost_per_token: float = 0.1):
+        """drafter_model: a CausalLM; vocab_size: tokenizer size; target_vocab_rows: target head rows."""
+        self.model = drafter_model
+        self.vocab_size = vocab_size
+        self.target_vocab_rows = target_vocab_rows
+        self.cost_per_token = cost_per_token
+        self.cache = None
+        self._base_len: dict[int, int] = {}  # slot -> committed length after this round's catch-up
+
+    def setup(self, num_slots: int, max_len: int) -> None:
+        self.cache = self.model.new_cache(num_slots, max_len)
+
+    def start(self, slot: int, prompt_ids: list[int]) -> None:
+        self.cache.reset(slot)
+
+    def _forward(self, tokens: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Feed each row's tokens after its committed rows; return logits at each row's last token."""
+        device = self.model.info.device
+        lens = [len(t) for t in tokens]
+        n = max(lens)
+        input_ids = torch.zeros(len(tokens), n, dtype=torch.long)  # [B, N]
+        positions = torch.zeros(len(tokens), n, dtype=torch.long)  # [B, N]
+        for b, (t, slot) in enumerate(zip(tokens, slots, strict=True)):
+            input_ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            start = self.cache.lengths[slot]
+            positions[b] = torch.arange(start, start + n)
+        num_new = torch.tensor(lens, dtype=torch.long)
+        out = self.model.forward(
+            input_ids.to(device),
+            positions.to(device),
+            self.cache,
+            torch.tensor(slots, dtype=torch.long, device=device),
+            num_new=num_new.to(device) if min(lens) != n else None,
+        )
+        last = (num_new - 1).to(out.logits.device)
+        return out.logits[torch.arange(len(tokens), device=out.logits.device), last]  # [B, V]
+
+    def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        rows = [b for b, k in enumerate(num_draft) if k > 0]
+        if not rows:
+            return empty_proposal(len(batch))
+        max_k = max(num_draft[b] for b in rows)
+        slots = [batch[b].slot for b in rows]
+        params = [batch[b].params for b in rows]
+        # 1. Catch up on committed tokens the drafter has not seen (at least the last one).
+        pending = [batch[b].token_ids[self.cache.lengths[batch[b].slot] :] for b in rows]
+        logits = self._forward(pending, slots)  # [B', V]
+        for b, p in zip(rows, pending, strict=True):
+            self.cache.commit(batch[b].slot, len(p))
+            self._base_len[batch[b].slot] = self.cache.lengths[batch[b].slot]
+        draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
+        draft_probs = torch.zeros(len(batch), max_k, self.target_vocab_rows)  # [B, K, V]
+        # 2. Draft K tokens, one batched forward per position.
+        for j in range(max_k):
+            q = process_logits_batch(logits[:, None, :].float(), params, self.vocab_size)[:, 0]  # [B', V']
+            u = torch.stack(
+                [torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(()) for b in rows]
+            )
+            x = sample(q, u.to(q.device))  # [B']
+            q = F.pad(q, (0, self.target_vocab_rows - q.shape[-1])) if q.shape[-1] < self.target_vocab_rows else q
+            idx = torch.tensor(rows)
+            draft_ids[idx, j] = x.cpu()
+            draft_probs[idx, j] = q[:, : self.target_vocab_rows].cpu()
+            if j + 1 < max_k:
+                logits = self._forward([[int(t)] for t in x.tolist()], slots)
+                for s in slots:
+                    self.cache.commit(s, 1)  # provisional; rolled back in advance()
+        num = torch.tensor([max(k, 0) for k in num_draft], dtype=torch.long)
+        return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
+
+    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+        for b, row in enumerate(batch):
+            if row.slot not in self._base_len:
+                continue
+            base = self._base_len.pop(row.slot)
+            fed = proposal.max_k - 1  # drafts x_1..x_{K-1} were written to the draft cache
+            self.cache.lengths[row.slot] = base + min(num_accepted[b], fed)

@@ -1,0 +1,58 @@
+"""Prompt lookup (n-gram) drafting: no model, free to run.
+
+Contract: for each request, find the most recent earlier occurrence of the context's last n
+tokens (n from `max_ngram` down to `min_ngram`) and propose the tokens that followed it, up to
+K. Deterministic, so drafts are point masses. Strong on summarisation, code edits and RAG,
+where the output copies spans of the prompt.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdecode.drafters.base import DraftRow, Drafter, Proposal
+from specdecode.errors import SpecDecodeError
+
+
+def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> np.ndarray:
+    """Tokens that followed the latest earlier match of the trailing n-gram; longest n first."""
+    n_tok = len(tokens)
+    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+        pattern = tokens[n_tok - n :]
+        # Windows that start at i and end before the trailing n-gram itself.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
+        hits = np.nonzero((windows == pattern).all(axis=1))[0]
+        if len(hits) == 0:
+            continue
+        start = int(hits[-1]) + n  # the token after the most recent match
+        return tokens[start : start + k]
+    return tokens[:0]
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+    cost_per_token = 0.0
+    deterministic = True
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, max_context: int = 4096):
+        if not (1 <= min_ngram <= max_ngram):
+            raise SpecDecodeError(
+                f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            )
+        self.min_ngram, self.max_ngram, self.max_context = min_ngram, max_ngram, max_context
+
+    def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        conts = []
+        for row, k in zip(batch, num_draft, strict=True):
+            if k <= 0:
+                conts.append(np.zeros(0, dtype=np.int64))
+                continue
+            ctx = np.asarray(row.token_ids[-self.max_context :], dtype=np.int64)
+            conts.append(lookup_continuation(ctx, k, self.min_ngram, self.max_ngram))
+        max_k = max((len(c) for c in conts), default=0)
+        draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
+        for b, c in enumerate(conts):
+            draft_ids[b, : len(c)] = torch.from_numpy(c)
+        num_draft_t = torch.tensor([len(c) for c in conts], dtype=torch.long)
+        return Proposal(draft_ids=draft_ids, num_draft=num_draft_t, draft_probs=None)
