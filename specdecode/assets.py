@@ -134,7 +134,7 @@ MODELS: dict[str, ModelAsset] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_bytes=5 * 89_128_960 + 45_755_264,
             download_mb=478,
-            cache_mb=1980,
+            cache_mb=2520,  # the GGUF carries an untied output head
             optional=True,
         ),
         ModelAsset(
@@ -216,24 +216,15 @@ def model_dir(alias: str) -> Path:
     return _models_root() / get_model_asset(alias).alias
 
 
-def _read_marker(path: Path) -> dict | None:
-    try:
-        return json.loads((path / _MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def is_installed(alias: str) -> bool:
     """True only for a finished install of the pinned GGUF (completion marker present, sha matches)."""
-    asset = get_model_asset(alias)
-    path = model_dir(alias)
-    marker = _read_marker(path)
-    return (
-        marker is not None
-        and marker.get("sha256") == asset.sha256
-        and (path / "config.json").is_file()
-        and (path / "model.safetensors").is_file()
-    )
+    asset, path = get_model_asset(alias), model_dir(alias)
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    files_ok = (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    return isinstance(marker, dict) and marker.get("sha256") == asset.sha256 and files_ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,13 +246,6 @@ def _missing(requirements: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(missing)
 
 
-def _stderr_fd() -> int | None:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None  # stderr replaced (e.g. captured by a test runner)
-
-
 def install_wheels(requirements: tuple[str, ...], *, progress: bool = True) -> None:
     """pip-install the pinned lines not yet installed (`--no-deps --require-hashes`)."""
     missing = _missing(requirements)
@@ -274,7 +258,10 @@ def install_wheels(requirements: tuple[str, ...], *, progress: bool = True) -> N
         req = Path(tmp) / "requirements.txt"
         req.write_text("\n".join(missing) + "\n")
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--require-hashes", "-r", str(req)]
-        fd = _stderr_fd() if progress else None
+        try:  # pass pip's output straight through, unless stderr is not a real file (tests)
+            fd = sys.stderr.fileno() if progress else None
+        except (AttributeError, OSError, ValueError):
+            fd = None
         if fd is not None:
             sys.stderr.flush()
             proc = subprocess.run(cmd, stdout=fd, stderr=fd)
@@ -318,7 +305,13 @@ def _bar(total: int, desc: str, progress: bool):
     from tqdm.auto import tqdm
 
     return tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=not progress
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not progress,
     )
 
 
@@ -374,8 +367,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:  # GGUF tokenizers come back with an "unlimited" length
+        tokenizer.model_max_length = max_pos
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="1000GB")  # one file
     tokenizer.save_pretrained(out_dir)
+    for path in [out_dir, *out_dir.rglob("*")]:  # a shared cache: readable by everyone
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -228,13 +228,14 @@ class SpeculativeDecoder:
         b_sz, k = len(running), prop.max_k
         params = [r.req.params for r in running]
         target_probs = process_logits_batch(logits, params, self.vocab_size)  # [B, K+1, V]
-        # Each request draws exactly num_draft + 1 uniforms from its own generator: the last one
-        # (column K) samples the recovered / bonus token.
+        # Each request draws exactly num_draft + 1 uniforms from its own generator. Chain
+        # verification reads column K for the recovered / bonus token, sample-then-match reads
+        # column n (the row after the last draft): both get the request's last uniform.
         uniforms = torch.zeros(b_sz, k + 1)  # [B, K+1]
         for b, r in enumerate(running):
             n = int(num_draft[b])
             u = torch.rand(n + 1, generator=r.generator)
-            uniforms[b, :n] = u[:n]
+            uniforms[b, : n + 1] = u
             uniforms[b, k] = u[n]
         uniforms = uniforms.to(target_probs.device)
         draft_ids = prop.draft_ids.to(target_probs.device)

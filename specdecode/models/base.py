@@ -1,0 +1,115 @@
+"""The target-runtime interface: `CausalLM`, its `ModelInfo` and its `ForwardOutput`.
+
+Contract (docs/ARCHITECTURE.md, "Target runtime"): a `CausalLM` owns no per-request state. All
+request state lives in a cache made by `new_cache(num_slots, max_len)` and indexed by slot.
+`forward` writes the new tokens' K/V at rows `cache.lengths[slot] + i` and never changes
+`lengths`; the caller keeps rows with `cache.commit(slot, num_kept, kept_rows)`. `prefill` is
+the one method that commits (it writes a whole prompt in chunks).
+
+Layer-index convention (the one place it is stated): `capture=(i, ...)` returns the output of
+decoder layer `i` (0-based), which is transformers' `hidden_states[i + 1]` for every layer but the
+last; transformers replaces its last entry with the final normed state, which is our key `-1`.
+
+Legend: B batch, N new tokens, V vocabulary (head rows, may be padded past the tokenizer),
+d hidden size, L cache rows, Hk KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+# Capture key of the final normed hidden state (the LM head's input).
+FINAL_NORM = -1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a loaded model that drafters and the loop need."""
+
+    arch: str  # HF model_type, e.g. "llama", "qwen2", "gpt2"
+    num_layers: int
+    hidden_size: int  # d
+    vocab_size: int  # V: rows of the LM head (can exceed len(tokenizer))
+    max_position: int  # context length from the config
+    dtype: torch.dtype
+    device: torch.device
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    native: bool = True  # NativeDecoder (True) or HFAdapter (False)
+    supports_tree: bool = True  # accepts tree_mask in forward
+    max_slots: int | None = None  # None = any number of slots; HFAdapter: 1
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward returns."""
+
+    logits: torch.Tensor  # [B, N, V] fp32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, N, d], model dtype
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only LM with slot-indexed, rollback-free caching (see module docstring)."""
+
+    info: ModelInfo
+
+    def new_cache(self, num_slots: int, max_len: int): ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, N] long
+        positions: torch.Tensor,  # [B, N] long
+        cache,
+        slots: torch.Tensor | Sequence[int],  # [B]
+        num_new: torch.Tensor | Sequence[int] | None = None,  # [B]
+        tree_mask: torch.Tensor | None = None,  # [B, N, N] bool
+        capture: Sequence[int] = (),
+    ) -> ForwardOutput: ...
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, P] long (right-padded when ragged)
+        cache,
+        slots: torch.Tensor | Sequence[int],  # [B]
+        num_new: torch.Tensor | Sequence[int] | None = None,  # [B]
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+    ) -> ForwardOutput: ...
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # [..] -> [.., d]
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [.., d] -> [.., V] fp32
+
+
+def host_list(x: torch.Tensor | Sequence[int] | int | None, n: int | None = None) -> list[int] | None:
+    """Scheduling metadata (slots, num_new, kept rows) as Python ints.
+
+    Pass lists or CPU tensors: reading a CUDA tensor here would synchronise the device.
+    """
+    if x is None:
+        return None
+    if isinstance(x, int):
+        return [x] * (n or 1)
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.reshape(-1).tolist()]
+    return [int(v) for v in x]
+
+
+def check_capture(capture: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Validate capture keys: decoder layers 0..num_layers-1, or -1 for the final normed state."""
+    from specdecode.errors import SpecDecodeError
+
+    keys = tuple(int(c) for c in capture)
+    for c in keys:
+        if c != FINAL_NORM and not 0 <= c < num_layers:
+            raise SpecDecodeError(
+                f"cannot capture hidden layer {c}: the model has decoder layers 0..{num_layers - 1} "
+                f"(use -1 for the final normed state)"
+            )
+    return keys

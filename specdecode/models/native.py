@@ -1,0 +1,461 @@
+"""NativeDecoder: the llama / qwen2 / qwen3 (and mistral) decoder families in plain PyTorch.
+
+Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md states it.
+* Built from a transformers config and a name -> tensor mapping of the HF checkpoint
+  (`NativeDecoder.from_hf`). Fused weights: one QKV matrix (biases when the checkpoint has them,
+  as qwen2 does), one gate/up matrix. Qwen3's q_norm / k_norm are applied per head before RoPE.
+* RoPE: `default`, `linear` and `llama3` rope types; anything else is refused with a
+  `SpecDecodeError`. cos/sin come from a table precomputed in fp32 exactly as transformers does.
+* `forward` writes the new K/V at rows `lengths[slot] + i` and lets new token i see the committed
+  rows plus the new rows allowed by `tree_mask` (None = causal). Ragged rows (`num_new`) are
+  right-padded; padded tokens produce finite garbage and never leak into valid rows.
+* No host-device synchronisation inside `forward`: the step is planned from host-side ints
+  (`cache.lengths`, `slots`, `num_new`: pass lists or CPU tensors). A plain decode step of a
+  contiguous slot range builds no mask and reads the cache through views.
+* GQA by folding the G query heads of a KV head into the query axis (q [B, Hk, G*N, D]), which
+  avoids both expanding K/V and the slow `enable_gqa` path of CPU SDPA.
+
+Legend: B batch, N new tokens, P prompt length, S cache slots, R = max_len + 1 cache rows,
+H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import FINAL_NORM, ForwardOutput, ModelInfo, check_capture, host_list
+from specdecode.models.kv_cache import KVCache
+
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class NativeSpec:
+    """The architecture facts NativeDecoder needs, read once from a transformers config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int  # d
+    intermediate_size: int  # I
+    num_heads: int  # H
+    num_kv_heads: int  # Hk
+    head_dim: int  # D
+    vocab_size: int  # V
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # qwen3
+    inv_freq: tuple[float, ...]  # [D/2] RoPE inverse frequencies (after scaling)
+    sliding_window: int | None  # when set, caches longer than this are refused
+
+    @classmethod
+    def from_config(cls, config) -> NativeSpec:
+        mt = getattr(config, "model_type", None)
+        if mt not in NATIVE_MODEL_TYPES:
+            raise SpecDecodeError(f"NativeDecoder supports {NATIVE_MODEL_TYPES}, not model_type {mt!r}")
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise SpecDecodeError(f"NativeDecoder supports the SiLU MLP only, this config has hidden_act={act!r}")
+        d, h = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or d // h
+        window = None
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+            mt == "mistral" and getattr(config, "sliding_window", None)
+        ):
+            window = getattr(config, "sliding_window", None)
+        return cls(
+            model_type=mt,
+            num_layers=config.num_hidden_layers,
+            hidden_size=d,
+            intermediate_size=config.intermediate_size,
+            num_heads=h,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or h,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position=int(getattr(config, "max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=mt == "qwen3",
+            inv_freq=tuple(rope_inv_freq(config, head_dim).tolist()),
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies for the config's rope type (default, linear, llama3)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)  # transformers 4.x configs
+    if isinstance(legacy, dict):
+        params = {**legacy, **params}
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise SpecDecodeError("partial rotary embeddings are not supported by NativeDecoder")
+    # Same expression as transformers, so fp32 results agree bit for bit.
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return inv / params["factor"]
+    if rope_type == "llama3":
+        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise SpecDecodeError(
+        f"rope type {rope_type!r} is not supported natively (default, linear, llama3 are); "
+        "this model cannot be used as a native target"
+    )
+
+
+class _Layer(nn.Module):
+    """Weights of one decoder layer, fused; the math lives in NativeDecoder._layer."""
+
+    def __init__(self, t: dict[str, torch.Tensor | None]) -> None:
+        super().__init__()
+        for name, value in t.items():
+            setattr(self, name, None if value is None else nn.Parameter(value, requires_grad=False))
+
+
+@dataclass
+class _Plan:
+    """How one forward writes and reads the cache; computed on the host before the layer loop."""
+
+    s0: int | None  # first slot when the slots are a contiguous range (views), else None
+    slot_idx: torch.Tensor | None  # [B] long, gather/scatter path
+    write_at: int | None  # common first row when every row starts there (slice write)
+    rows: torch.Tensor | None  # [B, N] long write rows (index path); padded rows past the end -> scratch
+    span: int  # rows 0..span-1 are read
+    mask: torch.Tensor | None  # [B|1, 1, G*N, span] bool; None = every query sees all span rows
+
+
+class NativeDecoder(nn.Module):
+    """Compact llama-family decoder implementing `CausalLM` (see module docstring)."""
+
+    def __init__(self, spec: NativeSpec, weights: dict, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Parameter(weights["embed"], requires_grad=False)  # [V, d]
+        self.norm = nn.Parameter(weights["norm"], requires_grad=False)  # [d]
+        head = None if spec.tie_word_embeddings else weights["head"]
+        self.head = None if head is None else nn.Parameter(head, requires_grad=False)  # [V, d]
+        self.layers = nn.ModuleList(_Layer(t) for t in weights["layers"])
+        # A plain attribute, not a buffer: module.to(dtype) must not round it.
+        self._inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32, device=device)  # [D/2]
+        self._rope_len = 0
+        self._rope = None
+        self.info = ModelInfo(
+            arch=spec.model_type,
+            num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size,
+            vocab_size=self.embed_tokens.shape[0] if head is None else head.shape[0],
+            max_position=spec.max_position,
+            dtype=dtype,
+            device=device,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        self._ensure_rope(min(spec.max_position, 8192))
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf(
+        cls,
+        config,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> NativeDecoder:
+        """Build from a transformers config and the checkpoint's tensors (HF names)."""
+        spec = NativeSpec.from_config(config)
+        device = torch.device(device)
+        pre = "model." if "model.embed_tokens.weight" in tensors else ""
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            if name not in tensors:
+                if required:
+                    raise SpecDecodeError(f"the checkpoint lacks tensor {name!r}; is it a {spec.model_type} model?")
+                return None
+            return tensors[name].to(device=device, dtype=dtype)
+
+        def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
+            parts = [get(n, required) for n in names]
+            return None if any(p is None for p in parts) else torch.cat(parts, 0).contiguous()
+
+        layers = []
+        for i in range(spec.num_layers):
+            a, m = f"{pre}layers.{i}.self_attn.", f"{pre}layers.{i}.mlp."
+            t = {
+                "ln1": get(f"{pre}layers.{i}.input_layernorm.weight"),  # [d]
+                "w_qkv": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),  # [(H+2Hk)D, d]
+                "b_qkv": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], False),
+                "w_o": get(a + "o_proj.weight"),  # [d, H*D]
+                "b_o": get(a + "o_proj.bias", False),
+                "ln2": get(f"{pre}layers.{i}.post_attention_layernorm.weight"),  # [d]
+                "w_gu": cat([m + "gate_proj.weight", m + "up_proj.weight"]),  # [2I, d]
+                "b_gu": cat([m + "gate_proj.bias", m + "up_proj.bias"], False),
+                "w_down": get(m + "down_proj.weight"),  # [d, I]
+                "b_down": get(m + "down_proj.bias", False),
+                "qk_norm": None,
+            }
+            if spec.qk_norm:  # one [H+Hk, D] weight so q and k are normed by one op
+                qn, kn = get(a + "q_norm.weight"), get(a + "k_norm.weight")
+                t["qk_norm"] = torch.cat([qn.expand(spec.num_heads, -1), kn.expand(spec.num_kv_heads, -1)])
+            layers.append(t)
+        head = None
+        if not spec.tie_word_embeddings:
+            head = get("lm_head.weight")
+        weights = {"embed": get(f"{pre}embed_tokens.weight"), "norm": get(f"{pre}norm.weight"), "head": head}
+        weights["layers"] = layers
+        return cls(spec, weights, dtype, device).eval()
+
+    # -- public API -------------------------------------------------------------------------------
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A cache for `num_slots` requests of up to `max_len` tokens each (prompt + generated)."""
+        s = self.spec
+        if max_len > s.max_position:
+            raise SpecDecodeError(
+                f"prompt + max_new_tokens exceeds the cache/context length {s.max_position}; lower "
+                f"max_new_tokens or shorten the prompt (a cache of {max_len} rows was requested)"
+            )
+        if s.sliding_window is not None and max_len > s.sliding_window:
+            raise SpecDecodeError(
+                f"this model uses sliding-window attention ({s.sliding_window} tokens), which NativeDecoder "
+                f"does not implement; keep prompt + max_new_tokens <= {s.sliding_window}"
+            )
+        self._ensure_rope(max_len)
+        return KVCache(
+            s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.info.dtype, self.info.device
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[..] token ids -> [.., d] embeddings (model dtype)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., d] final normed states -> [.., V] fp32 logits."""
+        return F.linear(hidden, self.embed_tokens if self.head is None else self.head).float()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, N] long
+        positions: torch.Tensor | None,  # [B, N] long; None = lengths[slot] + i
+        cache: KVCache,
+        slots: torch.Tensor | Sequence[int],  # [B]
+        num_new: torch.Tensor | Sequence[int] | None = None,  # [B]
+        tree_mask: torch.Tensor | None = None,  # [B, N, N] bool
+        capture: Sequence[int] = (),
+    ) -> ForwardOutput:
+        s = self.spec
+        B, N = input_ids.shape
+        capture = check_capture(capture, s.num_layers)
+        plan = self._plan(B, N, cache, slots, num_new, tree_mask)
+        dev = self.embed_tokens.device
+        if positions is None:
+            lens = [cache.lengths[x] for x in host_list(slots)]
+            positions = torch.tensor(lens).unsqueeze(1) + torch.arange(N)
+        positions = positions.to(dev, non_blocking=True)
+        input_ids = input_ids.to(dev, non_blocking=True)
+
+        x = F.embedding(input_ids, self.embed_tokens)  # [B, N, d]
+        cs = self._rope[positions]  # [B, N, 2, D]
+        cos, sin = cs[:, :, 0:1], cs[:, :, 1:2]  # [B, N, 1, D] each
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = self._layer(layer, x, cos, sin, cache.k[i], cache.v[i], plan)
+            if i in capture:
+                hidden[i] = x
+        x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+        if FINAL_NORM in capture:
+            hidden[FINAL_NORM] = x
+        return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
+
+    __call__ = forward  # skip nn.Module hook dispatch on the hot path
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, P] long (right-padded when ragged)
+        cache: KVCache,
+        slots: torch.Tensor | Sequence[int],  # [B]
+        num_new: torch.Tensor | Sequence[int] | None = None,  # [B] valid prompt tokens per row
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+    ) -> ForwardOutput:
+        """Write and COMMIT whole prompts in chunks, from each slot's current length.
+
+        Returns the logits of each row's last valid token, `[B, 1, V]` fp32, and the requested
+        hidden states for every prompt position, `[B, P, d]` (padded positions are garbage).
+        """
+        B, P = input_ids.shape
+        slot_list = host_list(slots)
+        counts = host_list(num_new) or [P] * B
+        cache.check_room(slot_list, counts)
+        last: list[torch.Tensor | None] = [None] * B
+        parts: dict[int, list[torch.Tensor]] = {c: [] for c in capture}
+        for c0 in range(0, P, chunk_size):
+            c1 = min(P, c0 + chunk_size)
+            valid = [max(0, min(n, c1) - c0) for n in counts]
+            lens = [cache.lengths[x] for x in slot_list]
+            positions = torch.tensor(lens).unsqueeze(1) + torch.arange(c1 - c0)
+            out = self.forward(
+                input_ids[:, c0:c1],
+                positions,
+                cache,
+                slot_list,
+                None if all(v == c1 - c0 for v in valid) else valid,
+                None,
+                capture,
+            )
+            for b, (n, v) in enumerate(zip(counts, valid, strict=True)):
+                if v > 0 and c0 + v == n:  # this chunk holds row b's last prompt token
+                    last[b] = out.logits[b, v - 1]
+                cache.commit(slot_list[b], v)
+            for c in capture:
+                parts[c].append(out.hidden[c])
+        if any(t is None for t in last):
+            raise SpecDecodeError("prefill needs at least one prompt token per request")
+        hidden = {c: torch.cat(p, 1) for c, p in parts.items()}
+        return ForwardOutput(logits=torch.stack(last).unsqueeze(1), hidden=hidden)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _layer(self, w: _Layer, x, cos, sin, kc, vc, plan: _Plan) -> torch.Tensor:
+        s = self.spec
+        B, N, d = x.shape
+        H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
+        G = H // Hk
+        # 1. attention input: fused QKV projection, (qwen3) per-head norm, RoPE on q and k at once
+        h = F.rms_norm(x, (d,), w.ln1, s.rms_norm_eps)
+        qkv = F.linear(h, w.w_qkv, w.b_qkv)  # [B, N, (H+2Hk)D]
+        qk = qkv[..., : (H + Hk) * D].view(B, N, H + Hk, D)
+        v = qkv[..., (H + Hk) * D :].view(B, N, Hk, D)
+        if w.qk_norm is not None:
+            qk = F.rms_norm(qk, (D,), None, s.rms_norm_eps) * w.qk_norm
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the table holds the signed sin.
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, N, H+Hk, D]
+        k = qk[:, :, H:]  # [B, N, Hk, D]
+        # 2. write the new K/V rows, then read the span this step attends to
+        if plan.write_at is not None:
+            r0 = plan.write_at
+            kc[plan.s0 : plan.s0 + B, :, r0 : r0 + N].copy_(k.transpose(1, 2))
+            vc[plan.s0 : plan.s0 + B, :, r0 : r0 + N].copy_(v.transpose(1, 2))
+        else:
+            idx = (plan.slot_idx.unsqueeze(1), plan.rows)
+            kc.transpose(1, 2).index_put_(idx, k)
+            vc.transpose(1, 2).index_put_(idx, v)
+        if plan.s0 is not None:
+            keys = kc[plan.s0 : plan.s0 + B, :, : plan.span]  # [B, Hk, span, D] view
+            values = vc[plan.s0 : plan.s0 + B, :, : plan.span]
+        else:
+            keys = kc[:, :, : plan.span].index_select(0, plan.slot_idx)
+            values = vc[:, :, : plan.span].index_select(0, plan.slot_idx)
+        # 3. attention with the G query heads of each KV head folded into the query axis
+        q = qk[:, :, :H]  # [B, N, H, D]
+        if N == 1:
+            q = q.reshape(B, Hk, G, D)
+        else:
+            q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask)  # [B, Hk, G*N, D]
+        if N == 1:
+            o = o.reshape(B, 1, H * D)
+        else:
+            o = o.reshape(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B, N, H * D)
+        x = x + F.linear(o, w.w_o, w.b_o)
+        # 4. SiLU MLP with fused gate/up
+        h = F.rms_norm(x, (d,), w.ln2, s.rms_norm_eps)
+        gu = F.linear(h, w.w_gu, w.b_gu)  # [B, N, 2I]
+        inter = s.intermediate_size
+        return x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], w.w_down, w.b_down)
+
+    def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
+        """Plan the cache writes/reads and build the attention mask once for all layers."""
+        slot_list = host_list(slots)
+        if len(slot_list) != B or len(set(slot_list)) != B:
+            raise ValueError(f"slots must hold {B} distinct slot indices, got {slot_list}")
+        counts = host_list(num_new)
+        if counts is not None and (len(counts) != B or any(not 0 <= n <= N for n in counts)):
+            raise ValueError(f"num_new must hold {B} counts in 0..{N}, got {counts}")
+        cache.check_room(slot_list, counts or [N] * B)
+        dev = self.embed_tokens.device
+        lens = [cache.lengths[x] for x in slot_list]
+        L = lens[0]
+        contiguous = slot_list == list(range(slot_list[0], slot_list[0] + B))
+        uniform = all(n == L for n in lens) and L + N <= cache.max_len
+        span = min(max(lens) + N, cache.max_len)
+        slot_idx = None if contiguous else torch.tensor(slot_list, device=dev)
+        write_at = L if contiguous and uniform else None
+        rows = None
+        lens_t = None
+        if write_at is None:
+            lens_t = torch.tensor(lens, device=dev)
+            rows = (lens_t.unsqueeze(1) + torch.arange(N, device=dev)).clamp_(max=cache.scratch_row)
+            if slot_idx is None:
+                slot_idx = torch.tensor(slot_list, device=dev)
+        mask = None
+        if not (N == 1 and uniform and tree_mask is None):
+            if lens_t is None:
+                lens_t = torch.tensor(lens, device=dev)
+            mask = self._mask(B, N, span, lens_t, counts, tree_mask, dev)
+        s0 = slot_list[0] if contiguous else None
+        return _Plan(s0, slot_idx, write_at, rows, span, mask)
+
+    def _mask(self, B, N, span, lens_t, counts, tree_mask, dev) -> torch.Tensor:
+        """[B, 1, G*N, span] bool: committed rows, plus new rows by tree_mask (or causally)."""
+        rel = torch.arange(span, device=dev).view(1, 1, span) - lens_t.view(B, 1, 1)  # [B, 1, span]
+        qi = torch.arange(N, device=dev).view(1, N, 1)  # [1, N, 1]
+        if tree_mask is None:
+            new_ok = rel <= qi  # [B, N, span]
+        else:
+            tm = tree_mask.to(device=dev, dtype=torch.bool)  # [B, N, N]
+            new_ok = torch.gather(tm, 2, rel.clamp(0, N - 1).expand(B, N, span)) | (rel == qi)
+        new_ok = new_ok & (rel >= 0) & (rel < N)
+        if counts is not None:
+            n_t = torch.tensor(counts, device=dev).view(B, 1, 1)
+            new_ok = new_ok & (rel < n_t)
+            # A padded query sees everything: garbage, but never a row without keys (NaN).
+            new_ok = new_ok | (qi >= n_t)
+        mask = (rel < 0) | new_ok  # [B, N, span]
+        G = self.spec.num_heads // self.spec.num_kv_heads
+        return mask.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*N, span], query index g*N + n
+
+    def _ensure_rope(self, length: int) -> None:
+        """Table [length, 2, D] of cos and signed sin in the model dtype (fp32 math, as transformers)."""
+        if length <= self._rope_len:
+            return
+        inv = self._inv_freq  # [D/2] fp32
+        freqs = torch.arange(length, device=inv.device, dtype=torch.int64).float()[:, None] * inv[None, :]
+        cos, sin = freqs.cos(), freqs.sin()  # [length, D/2]
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
+        self._rope = table.to(self.info.dtype)  # [length, 2, D]
+        self._rope_len = length
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda() rebuild the RoPE table on the new device/dtype and update info.
+        out = super()._apply(fn, recurse)
+        n = self._rope_len
+        p = self.embed_tokens
+        self.info = _replace_info(self.info, p.dtype, p.device)
+        self._inv_freq = self._inv_freq.to(p.device)
+        self._rope_len = 0
+        self._ensure_rope(n)
+        return out
+
+
+def _replace_info(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> ModelInfo:
+    from dataclasses import replace
+
+    return replace(info, dtype=dtype, device=device)

@@ -1,0 +1,116 @@
+"""Logits -> processed probabilities, and seeded inverse-CDF sampling.
+
+Contract (pure functions, no state):
+* `process_logits(logits [..., V], params, vocab_size)` returns fp32 probabilities of the same
+  shape: ids >= vocab_size (padded LM-head rows) get probability 0; then temperature, top-k,
+  top-p, renormalise. Temperature 0 returns a one-hot on the argmax, so greedy decoding runs
+  through the same verification code as sampling. The drafter's q and the target's p must both
+  come from here with the same params, or verification is not lossless for the request.
+* `sample(probs [..., V], uniforms [...])` maps caller-supplied uniforms in [0, 1) to ids by
+  inverse CDF. It never returns an id of probability 0 and never an id outside [0, V), even when
+  rounding makes the cumulative sum end below 1 (probs need not be normalised).
+* `draw_uniforms(generators, n)` gives each request its own row of uniforms from its own
+  `torch.Generator`, so a request's randomness never depends on the batch it is in.
+
+Top-k keeps exactly k ids (ties broken by `torch.topk`); top-p keeps the smallest prefix of the
+probability-sorted ids whose mass reaches top_p (always at least the most likely id).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.config import SamplingParams
+
+__all__ = ["process_logits", "process_logits_batch", "sample", "draw_uniforms"]
+
+
+def process_logits(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    params: SamplingParams,
+    vocab_size: int | None = None,
+) -> torch.Tensor:  # [..., V] fp32, rows sum to 1
+    """Processed probabilities: vocab mask -> temperature -> top-k -> top-p -> renormalise."""
+    x = logits.float()
+    V = x.shape[-1]
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if vocab_size < V:
+            # Padded head rows can hold large logits; they must never be emitted.
+            padded = torch.arange(V, device=x.device) >= vocab_size
+            x = x.masked_fill(padded, float("-inf"))
+    if params.temperature == 0.0:
+        return F.one_hot(x.argmax(dim=-1), V).float()
+    x = x / params.temperature
+    k = params.top_k if 0 < params.top_k < V else V
+    if k == V and params.top_p >= 1.0:
+        return torch.softmax(x, dim=-1)
+
+    # Candidates sorted by probability, descending: the k best (or all V when only top-p).
+    if k == V:
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    else:
+        vals, idx = torch.topk(x, k, dim=-1, sorted=True)
+    probs = torch.softmax(vals, dim=-1)  # [..., k]
+    if params.top_p < 1.0:
+        # Keep id j iff the mass strictly before it is < top_p: the smallest prefix reaching
+        # top_p, and always the first id (mass before it is 0).
+        before = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))
+        probs = probs * (before < params.top_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(x).scatter_(-1, idx, probs)
+
+
+def process_logits_batch(
+    logits: torch.Tensor,  # [B, N, V]
+    params: list[SamplingParams],  # one per request (row of logits)
+    vocab_size: int | None = None,
+) -> torch.Tensor:  # [B, N, V] fp32
+    """`process_logits` with per-request params; rows with identical params share one call."""
+    if logits.dim() != 3 or len(params) != logits.shape[0]:
+        raise ValueError(
+            f"expected logits [B, N, V] and one SamplingParams per row, got shape "
+            f"{tuple(logits.shape)} and {len(params)} params"
+        )
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(p, []).append(row)
+    if len(groups) <= 1:
+        if not groups:
+            return logits.float()
+        return process_logits(logits, params[0], vocab_size)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for p, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out.index_copy_(0, idx, process_logits(logits.index_select(0, idx), p, vocab_size))
+    return out
+
+
+def sample(
+    probs: torch.Tensor,  # [..., V] non-negative, positive total; need not be normalised
+    uniforms: torch.Tensor,  # [...] in [0, 1)
+) -> torch.Tensor:  # [...] long
+    """Inverse-CDF sampling: the id whose cumulative-mass interval contains u * total."""
+    cdf = probs.cumsum(dim=-1)  # [..., V], non-decreasing
+    total = cdf[..., -1:]
+    target = uniforms.to(cdf.dtype).unsqueeze(-1) * total
+    # Keep the target strictly below the total so the search never runs past the last
+    # positive-probability id (u * total can round up to total).
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    # right=True: the first id with cdf > target, which has cdf strictly increasing there,
+    # hence positive probability.
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def draw_uniforms(
+    generators: list[torch.Generator],  # one per request
+    n: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # [B, n] fp32 in [0, 1)
+    """One row of n uniforms per request, each drawn from that request's own generator."""
+    if not generators:
+        return torch.empty(0, n, device=device)
+    dev = torch.device(device) if device is not None else generators[0].device
+    return torch.stack([torch.rand(n, generator=g, device=g.device).to(dev) for g in generators])

@@ -1,0 +1,86 @@
+"""CLI contract: JSON output fields, streaming, and clear errors (exit 2, no traceback)."""
+
+import json
+
+import pytest
+
+from specdecode.cli import main
+
+JSON_FIELDS = {"id", "text", "token_ids", "num_new_tokens", "num_steps", "tau", "accepted_per_position",
+               "decode_time_s", "tokens_per_s"}
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_from_prompts_file(capsys, tmp_path, tiny_llama_dir):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "x", "prompt": "the cat"}) + "\n"
+                 + json.dumps({"id": "y", "messages": [{"role": "user", "content": "hi"}], "seed": 5}) + "\n")
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--method", "ngram",
+                          "--prompts", str(p), "--max-new-tokens", "8", "--dtype", "fp32", "--json")
+    assert code == 0, err
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert [o["id"] for o in objs] == ["x", "y"]
+    for o in objs:
+        assert JSON_FIELDS <= set(o)
+        assert 1 <= o["num_new_tokens"] <= 8 and o["tau"] >= 1.0
+
+
+def test_generate_streams_text_and_summary(capsys, tiny_llama_dir):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hello world",
+                          "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3")
+    assert code == 0, err
+    assert out.endswith("\n") and "tokens/s" in err and "tau" in err
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--temperature", "-1"], "temperature must be"),
+        (["--top-p", "0"], "top_p must be in"),
+        (["--top-p", "1.5"], "top_p must be in"),
+        (["--top-k", "-2"], "top_k must be"),
+        (["--num-draft-tokens", "-1", "--method", "ngram"], "must be >= 0"),
+        (["--method", "nope"], "unknown method 'nope'; choose one of: ar, ngram, draft"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--method", "draft"], "needs a drafter model"),
+    ],
+)
+def test_bad_parameters(capsys, tiny_llama_dir, args, match):
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", *args)
+    assert code == 2
+    assert match in err and "Traceback" not in err
+
+
+def test_bad_model_path_lists_aliases(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "--target", str(tmp_path / "missing"), "--prompt", "hi")
+    assert code == 2 and "smollm2-135m" in err
+
+
+def test_empty_prompt_and_malformed_file(capsys, tmp_path, tiny_llama_dir):
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "  ")
+    assert code == 2 and "non-empty" in err
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompts", str(p))
+    assert code == 2 and "bad.jsonl:2" in err
+
+
+def test_prompt_longer_than_context(capsys, tiny_llama_dir):
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "word " * 5000)
+    assert code == 2 and "context" in err
+
+
+def test_drafter_with_other_tokenizer_is_refused(capsys, tiny_llama_dir, other_tokenizer_model_dir):
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--method", "draft",
+                        "--drafter", str(other_tokenizer_model_dir), "--prompt", "hi")
+    assert code == 2 and "different tokenizer" in err
+
+
+def test_models_list(capsys):
+    code, out, _ = _run(capsys, "models", "list")
+    assert code == 0 and "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out and "mt-bench" in out

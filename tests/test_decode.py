@@ -1,0 +1,176 @@
+"""The decoding loop: greedy speculative == greedy ar (fp32), batch == single, stops, distribution."""
+
+import collections
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from specdecode.config import SamplingParams
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.models.loader import load_model
+from specdecode.policy import AdaptiveK, FixedK
+
+
+class ShiftedDrafter(DraftModelDrafter):
+    """Drafts the target's own greedy token plus one: a drafter that never agrees (point mass)."""
+
+    def propose(self, batch, num_draft):
+        prop = super().propose(batch, num_draft)
+        prop.draft_ids = (prop.draft_ids + 1) % self.vocab_size
+        prop.draft_probs = None
+        return prop
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_qwen2_dir):
+    return load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
+
+
+def _prompts(tok, n=3):
+    texts = ["the cat sat on the mat and the cat", "hello world, hello", "a b c d e f g a b c"][:n]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def _decode(target, drafter, k, prompts, max_new=24, params=None, max_batch=8, policy=None, mode="rejection", seed=0):
+    dec = SpeculativeDecoder(target, drafter, policy or FixedK(k), max_batch=max_batch, verify_mode=mode)
+    reqs = [
+        GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    return dec.generate(reqs)
+
+
+def _drafters(target, other):
+    v, rows = target.vocab_size, target.model.info.vocab_size
+    return {
+        "ngram": NgramDrafter(),
+        "draft-other": DraftModelDrafter(other.model, v, rows),
+        "draft-always-agrees": DraftModelDrafter(target.model, v, rows),
+        "draft-never-agrees": ShiftedDrafter(target.model, v, rows),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-other", "draft-always-agrees", "draft-never-agrees"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
+    prompts = _prompts(tiny.tokenizer)
+    base = _decode(tiny, ARDrafter(), 0, prompts)
+    spec = _decode(tiny, _drafters(tiny, tiny_drafter)[name], k, prompts)
+    for b, s in zip(base, spec):
+        assert s.token_ids == b.token_ids
+        assert len(s.token_ids) == 24
+    if name == "draft-always-agrees":
+        assert all(s.tau > k for s in spec)  # all accepted but the last, truncated step
+        assert all(s.acceptance_per_position[j] == 1.0 for s in spec for j in range(k))
+    if name == "draft-never-agrees":
+        assert all(s.tau == 1.0 for s in spec)
+        assert all(a == 0 for s in spec for a in s.accepted_per_position)
+
+
+def test_adaptive_policy_is_exact_and_backs_off(tiny):
+    prompts = _prompts(tiny.tokenizer)
+    base = _decode(tiny, ARDrafter(), 0, prompts, max_new=40)
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    spec = _decode(tiny, ShiftedDrafter(tiny.model, v, rows), 4, prompts, max_new=40, policy=AdaptiveK(4, 0.3))
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    # With nothing ever accepted the policy stops drafting most of the time.
+    assert all(sum(s.reached_per_position) < s.num_steps for s in spec)
+
+
+def test_batch_equals_single_greedy_and_sampled(tiny, tiny_drafter):
+    prompts = _prompts(tiny.tokenizer)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=50)):
+        d = DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size)
+        batched = _decode(tiny, d, 3, prompts, params=params, max_batch=3)
+        singles = [
+            _decode(tiny, DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size),
+                    3, [p], params=params, seed=i)[0]
+            for i, p in enumerate(prompts)
+        ]
+        assert [r.token_ids for r in batched] == [r.token_ids for r in singles]
+
+
+def test_continuous_refill_with_more_requests_than_slots(tiny):
+    prompts = _prompts(tiny.tokenizer) * 2
+    base = _decode(tiny, ARDrafter(), 0, prompts, max_new=10, max_batch=6)
+    spec = _decode(tiny, NgramDrafter(), 3, prompts, max_new=10, max_batch=2)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+
+
+def test_stops_inside_an_accepted_block(tiny):
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    prompt = _prompts(tiny.tokenizer, 1)
+    full = _decode(tiny, ARDrafter(), 0, prompt, max_new=30)[0]
+    # max_new_tokens falls inside a block of 5 all-accepted drafts
+    r = _decode(tiny, DraftModelDrafter(tiny.model, v, rows), 5, prompt, max_new=7)[0]
+    assert r.token_ids == full.token_ids[:7] and r.finish_reason == "length"
+    # an EOS inside the block: pretend the 4th greedy token is EOS
+    dec = SpeculativeDecoder(tiny, DraftModelDrafter(tiny.model, v, rows), FixedK(5))
+    dec.eos_ids = {full.token_ids[3]}
+    first = full.token_ids.index(full.token_ids[3])
+    r = dec.generate([GenerationRequest(prompt[0], max_new_tokens=30)])[0]
+    assert r.token_ids == full.token_ids[:first] and r.finish_reason == "stop"
+    # a stop string: text is cut before it, and nothing after it is streamed
+    text = tiny.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    dec = SpeculativeDecoder(tiny, DraftModelDrafter(tiny.model, v, rows), FixedK(5))
+    req = GenerationRequest(prompt[0], max_new_tokens=30, stop=(stop,), ignore_eos=True)
+    events = list(dec.stream([req]))
+    res = events[-1].result
+    assert res.finish_reason == "stop" and stop not in res.text
+    assert res.text == text[: text.find(stop)]
+    assert "".join(e.text for e in events) == res.text
+
+
+def test_sampled_spec_matches_ar_distribution(tiny, tiny_drafter):
+    """T = 1: the first two tokens' joint distribution of speculative and ar decoding agree."""
+    prompt = _prompts(tiny.tokenizer, 1)[0]
+    params = SamplingParams(temperature=1.0, top_k=6)
+    n = 1500
+
+    def draw(drafter, k, base_seed):
+        dec = SpeculativeDecoder(tiny, drafter, FixedK(k), max_batch=64)
+        reqs = [GenerationRequest(prompt, params, 2, seed=base_seed + i, id=str(i), ignore_eos=True)
+                for i in range(n)]
+        return collections.Counter(tuple(r.token_ids) for r in dec.generate(reqs))
+
+    ar = draw(ARDrafter(), 0, 0)
+    sd = draw(DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size), 3, 10**6)
+    keys = [k for k in set(ar) | set(sd) if ar[k] + sd[k] >= 10]
+    table = [[ar[k] for k in keys], [sd[k] for k in keys]]
+    assert len(keys) >= 4
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_bad_requests_are_clear(tiny):
+    dec = SpeculativeDecoder(tiny, ARDrafter())
+    with pytest.raises(Exception, match="prompt is empty"):
+        dec.generate([GenerationRequest([])])
+    ctx = tiny.model.info.max_position
+    with pytest.raises(Exception, match="exceeds the model's context"):
+        dec.generate([GenerationRequest([1] * (ctx - 2), max_new_tokens=10)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft-self"])
+def test_smollm2_greedy_equivalence(smollm2_dir, method):
+    target = load_model(str(smollm2_dir), dtype="fp32", device="cpu")
+    tok = target.tokenizer
+    texts = ["Write a Python function that reverses a string.", "List three colors: red, green,"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for t in texts]
+    base = _decode(target, ARDrafter(), 0, prompts, max_new=32)
+    drafter = NgramDrafter() if method == "ngram" else DraftModelDrafter(
+        target.model, target.vocab_size, target.model.info.vocab_size)
+    spec = _decode(target, drafter, 4, prompts, max_new=32)
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    if method == "draft-self":
+        assert all(s.tau > 3 for s in spec)

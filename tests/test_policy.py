@@ -1,0 +1,39 @@
+from specdecode.errors import SpecDecodeError
+from specdecode.policy import AdaptiveK, FixedK, PolicyState, expected_tau, make_policy
+
+import pytest
+
+
+def test_expected_tau_limits():
+    assert expected_tau(0.0, 5) == pytest.approx(1.0)
+    assert expected_tau(1.0, 5) == 6.0
+    assert expected_tau(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_fixed_k():
+    assert FixedK(3).choose([PolicyState(), PolicyState()]) == [3, 3]
+    with pytest.raises(SpecDecodeError, match="num-draft-tokens"):
+        FixedK(-1)
+
+
+def test_adaptive_lowers_k_when_acceptance_is_poor_and_probes():
+    pol = AdaptiveK(k_max=6, draft_cost=0.2)
+    st = PolicyState()
+    for _ in range(30):
+        pol.observe(st, num_draft=6, num_accepted=0)
+    ks = [pol.choose([st])[0] for _ in range(16)]
+    assert ks.count(0) >= 14  # mostly plain decoding
+    assert 1 in ks  # but it keeps probing
+
+
+def test_adaptive_keeps_k_high_when_drafts_are_accepted():
+    pol = AdaptiveK(k_max=6, draft_cost=0.0)
+    st = PolicyState()
+    for _ in range(30):
+        pol.observe(st, num_draft=6, num_accepted=6)
+    assert pol.choose([st]) == [6]
+
+
+def test_make_policy_rejects_unknown():
+    with pytest.raises(SpecDecodeError, match="fixed, adaptive"):
+        make_policy("sometimes", 3)

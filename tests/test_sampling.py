@@ -1,0 +1,150 @@
+"""Tests for specdecode.sampling: table cases, slow reference, robustness, seeded determinism."""
+
+from __future__ import annotations
+
+import pytest
+import reference_verify as ref
+import torch
+from scipy import stats
+
+from specdecode.config import SamplingParams
+from specdecode.sampling import draw_uniforms, process_logits, process_logits_batch, sample
+
+LOG3 = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(temperature=1.0), [0.5, 0.3, 0.2]),
+        (SamplingParams(temperature=1.0, top_k=2), [0.625, 0.375, 0.0]),
+        (SamplingParams(temperature=1.0, top_k=1), [1.0, 0.0, 0.0]),
+        (SamplingParams(temperature=1.0, top_k=9), [0.5, 0.3, 0.2]),
+        (SamplingParams(temperature=1.0, top_p=0.7), [0.625, 0.375, 0.0]),  # 0.5 + 0.3 reaches 0.7
+        (SamplingParams(temperature=1.0, top_p=0.8), [0.625, 0.375, 0.0]),  # exactly reached
+        (SamplingParams(temperature=1.0, top_p=0.81), [0.5, 0.3, 0.2]),
+        (SamplingParams(temperature=1.0, top_p=0.5), [1.0, 0.0, 0.0]),
+        (SamplingParams(temperature=1.0, top_p=0.1), [1.0, 0.0, 0.0]),  # always keeps the top id
+        (SamplingParams(temperature=0.5), [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38]),
+        (SamplingParams(temperature=0.5, top_k=2, top_p=0.9), [0.25 / 0.34, 0.09 / 0.34, 0.0]),
+        (SamplingParams(temperature=0.0), [1.0, 0.0, 0.0]),
+        (SamplingParams(temperature=0.0, top_k=2, top_p=0.3), [1.0, 0.0, 0.0]),
+    ],
+)
+def test_process_logits_table(params, expected):
+    probs = process_logits(LOG3, params)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_top_p_applies_after_temperature():
+    # T = 2 flattens [0.5, 0.3, 0.2] to ~[0.41, 0.32, 0.26]: top_p 0.7 now needs all three ids.
+    probs = process_logits(LOG3, SamplingParams(temperature=2.0, top_p=0.75))
+    assert (probs > 0).all()
+
+
+def test_padded_ids_get_zero_probability():
+    logits = torch.tensor([[1.0, 2.0, 0.5, 9.0, 8.0]])  # ids 3, 4 are padded head rows
+    for params in [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.7, top_k=4, top_p=0.95)]:
+        probs = process_logits(logits, params, vocab_size=3)
+        assert probs[0, 3:].abs().sum() == 0
+        torch.testing.assert_close(probs.sum(-1), torch.ones(1))
+    assert process_logits(logits, SamplingParams(0.0), vocab_size=3).argmax().item() == 1
+
+
+def test_bf16_logits_and_leading_dims():
+    logits = torch.randn(2, 3, 4, 11, generator=torch.Generator().manual_seed(0)).bfloat16()
+    probs = process_logits(logits, SamplingParams(0.8, top_k=5, top_p=0.9), vocab_size=10)
+    assert probs.shape == logits.shape and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3, 4))
+    assert ((probs > 0).sum(-1) <= 5).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0, 1.7])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (1, 1.0), (3, 1.0), (0, 0.6), (4, 0.9), (50, 0.95)])
+@pytest.mark.parametrize("vocab_size", [None, 9])
+def test_process_logits_matches_reference(temperature, top_k, top_p, vocab_size):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = 2.0 * torch.randn(2, 3, 12, generator=torch.Generator().manual_seed(7))
+    probs = process_logits(logits, params, vocab_size)
+    expected = torch.tensor([[ref.ref_process_logits(row, params, vocab_size) for row in m] for m in logits.tolist()])
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_process_logits_batch_per_request_params():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 3, 10, generator=g)
+    params = [
+        SamplingParams(0.7, top_k=3),
+        SamplingParams(0.0),
+        SamplingParams(0.7, top_k=3),
+        SamplingParams(1.0, top_p=0.8),
+        SamplingParams(1.0),
+    ]
+    out = process_logits_batch(logits, params, vocab_size=9)
+    for b, p in enumerate(params):
+        torch.testing.assert_close(out[b], process_logits(logits[b], p, vocab_size=9), atol=0, rtol=0)
+    same = process_logits_batch(logits, [params[0]] * 5)
+    torch.testing.assert_close(same, process_logits(logits, params[0]), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="one SamplingParams per row"):
+        process_logits_batch(logits, params[:2])
+
+
+def test_sample_table():
+    probs = torch.tensor([0.2, 0.0, 0.5, 0.3]).expand(6, 4)
+    u = torch.tensor([0.0, 0.1999, 0.2, 0.69, 0.7, 0.9999999])
+    assert sample(probs, u).tolist() == [0, 0, 2, 2, 3, 3]
+
+
+def test_sample_unnormalised_and_rounding_robust():
+    # Trailing zero-probability ids and a total that rounds below 1: never a zero-probability id.
+    probs = torch.tensor([[0.3, 0.0, 0.7 - 1e-6, 0.0, 0.0], [0.0, 2.0, 6.0, 0.0, 0.0]])
+    u = torch.tensor([[1.0 - 2.0**-24], [1.0 - 2.0**-24]]).expand(2, 3).contiguous()
+    ids = sample(probs[:, None].expand(2, 3, 5), u)
+    assert ids.tolist() == [[2, 2, 2], [2, 2, 2]]
+    assert sample(probs, torch.tensor([0.0, 0.0])).tolist() == [0, 1]
+    # fp64 uniforms just below 1 that round to 1.0 in fp32
+    assert sample(probs, torch.tensor([1 - 1e-12, 1 - 1e-12], dtype=torch.float64)).tolist() == [2, 2]
+
+
+def test_sample_never_zero_probability_randomised():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4000, 9, generator=g)
+    probs = process_logits(logits, SamplingParams(1.0, top_k=3, top_p=0.8))
+    u = torch.rand(4000, generator=g)
+    u[:100] = 0.0
+    u[100:200] = 1.0 - 2.0**-24
+    ids = sample(probs, u)
+    assert ((ids >= 0) & (ids < 9)).all()
+    assert (probs.gather(-1, ids[:, None]) > 0).all()
+    expected = [ref.ref_sample(probs[i].double().tolist(), float(u[i])) for i in range(4000)]
+    assert ids.tolist() == expected
+
+
+def test_sample_distribution_chi_square():
+    probs = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.3])
+    g = torch.Generator().manual_seed(11)
+    ids = sample(probs.expand(100_000, 5), torch.rand(100_000, generator=g))
+    counts = torch.bincount(ids, minlength=5)
+    assert counts[1] == 0
+    support = probs > 0
+    expected = probs[support].double() / probs[support].double().sum() * 100_000
+    res = stats.chisquare(counts[support].double().numpy(), expected.numpy())
+    assert res.pvalue > 1e-4
+
+
+def test_draw_uniforms_per_request_generators():
+    def gens(*seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    u = draw_uniforms(gens(1, 2, 3), 5)
+    assert u.shape == (3, 5) and ((u >= 0) & (u < 1)).all()
+    # A request's row does not depend on the batch it is in.
+    torch.testing.assert_close(draw_uniforms(gens(2), 5)[0], u[1], atol=0, rtol=0)
+    torch.testing.assert_close(draw_uniforms(gens(3, 9), 5)[0], u[2], atol=0, rtol=0)
+    # Successive draws advance each request's own generator.
+    g = gens(4)
+    a, b = draw_uniforms(g, 3), draw_uniforms(g, 3)
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(torch.cat([a, b], 1), draw_uniforms(gens(4), 6), atol=0, rtol=0)
+    assert draw_uniforms([], 4).shape == (0, 4)
