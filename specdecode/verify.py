@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specdecode.sampling import sample
 from specdecode.tree import DraftTree, validate_parents
@@ -82,6 +81,14 @@ def _draft_mask(
     return torch.arange(K, device=device) < num_draft[:, None], num_draft
 
 
+def _check_shapes(what: str, **shapes: tuple[tuple[int, ...], tuple[int | None, ...]]) -> None:
+    """Raise ValueError naming the argument whose shape disagrees (None = any size)."""
+    for name, (got, want) in shapes.items():
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want, strict=False)):
+            legend = tuple("*" if w is None else w for w in want)
+            raise ValueError(f"{what}: {name} has shape {tuple(got)}, expected {legend}")
+
+
 def _normalised_or(
     residual: torch.Tensor,  # [B, V] non-negative
     fallback: torch.Tensor,  # [B, V]
@@ -110,6 +117,12 @@ def verify_chain(
     """
     B, K = draft_ids.shape
     V = target_probs.shape[-1]
+    _check_shapes(
+        "verify_chain",
+        target_probs=(target_probs.shape, (B, K + 1, V)),
+        uniforms=(uniforms.shape, (B, K + 1)),
+        draft_probs=(draft_probs.shape if draft_probs is not None else (B, K, V), (B, K, V)),
+    )
     dev = draft_ids.device
     rows = torch.arange(B, device=dev)
     pos = torch.arange(K + 1, device=dev)
@@ -132,7 +145,7 @@ def verify_chain(
     if K > 0:
         k_last = num_accepted.clamp(max=K - 1)
         if draft_probs is None:
-            q_last = F.one_hot(safe_ids[rows, k_last], V).to(p_last.dtype)  # [B, V]
+            q_last = torch.zeros_like(p_last).scatter_(1, safe_ids[rows, k_last, None], 1.0)  # [B, V]
         else:
             q_last = draft_probs[rows, k_last].to(p_last.dtype)  # [B, V]
         residual = _normalised_or((p_last - q_last).clamp_min(0), p_last)
@@ -159,6 +172,11 @@ def verify_chain_match(
     Lossless at any temperature, but accepts less than `verify_chain` when T > 0.
     """
     B, K = draft_ids.shape
+    _check_shapes(
+        "verify_chain_match",
+        target_probs=(target_probs.shape, (B, K + 1, None)),
+        uniforms=(uniforms.shape, (B, K + 1)),
+    )
     dev = draft_ids.device
     valid, _ = _draft_mask(num_draft, B, K, dev)
     sampled = sample(target_probs, uniforms)  # [B, K+1]
@@ -190,6 +208,14 @@ def verify_tree_batch(
     if iid and draft_probs is None:
         raise ValueError("iid tree verification needs draft_probs (q at each node's parent)")
     B, N = tree_ids.shape
+    V = target_probs.shape[-1]
+    _check_shapes(
+        "verify_tree",
+        parents=((len(par),), (N,)),
+        target_probs=(target_probs.shape, (B, N + 1, V)),
+        uniforms=(uniforms.shape, (B, N + 1)),
+        draft_probs=(draft_probs.shape if draft_probs is not None else (B, N, V), (B, N, V)),
+    )
     dev = tree_ids.device
     depth = [0] * (N + 1)  # depth of every block row
     for i, pa in enumerate(par):

@@ -14,7 +14,9 @@ import torch
 from specdecode.config import SamplingParams
 
 
-def ref_process_logits(logits: list[float], params: SamplingParams, vocab_size: int | None = None) -> list[float]:
+def ref_process_logits(
+    logits: list[float], params: SamplingParams, vocab_size: int | None = None
+) -> list[float]:
     """One row: mask padded ids, temperature, top-k, top-p, renormalise."""
     V = len(logits)
     n = V if vocab_size is None else min(vocab_size, V)

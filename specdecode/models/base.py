@@ -113,3 +113,46 @@ def check_capture(capture: Sequence[int], num_layers: int) -> tuple[int, ...]:
                 f"(use -1 for the final normed state)"
             )
     return keys
+
+
+def chunked_prefill(
+    model: CausalLM,
+    input_ids: torch.Tensor,  # [B, P] long (right-padded when ragged)
+    cache,
+    slots: torch.Tensor | Sequence[int],  # [B]
+    num_new: torch.Tensor | Sequence[int] | None,  # [B] valid prompt tokens per row
+    capture: Sequence[int],
+    chunk_size: int,
+) -> ForwardOutput:
+    """Write and COMMIT whole prompts in chunks of `chunk_size`, from each slot's current length.
+
+    Returns the logits of each row's last valid token, `[B, 1, V]` fp32, and the requested
+    hidden states for every prompt position, `[B, P, d]` (padded positions hold garbage).
+    """
+    from specdecode.errors import SpecDecodeError
+
+    B, P = input_ids.shape
+    slot_list = host_list(slots)
+    counts = host_list(num_new) or [P] * B
+    if any(n < 1 for n in counts) or P < 1:
+        raise SpecDecodeError("prefill needs at least one prompt token per request")
+    cache.check_room(slot_list, counts)
+    last: list[torch.Tensor | None] = [None] * B
+    parts: dict[int, list[torch.Tensor]] = {c: [] for c in capture}
+    for c0 in range(0, P, chunk_size):
+        c1 = min(P, c0 + chunk_size)
+        valid = [max(0, min(n, c1) - c0) for n in counts]  # valid tokens of each row in this chunk
+        lens = [cache.lengths[s] for s in slot_list]
+        positions = torch.tensor(lens).unsqueeze(1) + torch.arange(c1 - c0)  # [B, c]
+        ragged = any(v != c1 - c0 for v in valid)
+        out = model.forward(
+            input_ids[:, c0:c1], positions, cache, slot_list, valid if ragged else None, None, capture
+        )
+        for b, (n, v) in enumerate(zip(counts, valid, strict=True)):
+            if v > 0 and c0 + v == n:  # this chunk holds row b's last prompt token
+                last[b] = out.logits[b, v - 1]
+            cache.commit(slot_list[b], v)
+        for c in capture:
+            parts[c].append(out.hidden[c])
+    hidden = {c: torch.cat(p, 1) for c, p in parts.items()}
+    return ForwardOutput(logits=torch.stack(last).unsqueeze(1), hidden=hidden)

@@ -29,7 +29,9 @@ class CacheState:
 
     def __init__(self, num_slots: int, max_len: int) -> None:
         if num_slots < 1 or max_len < 1:
-            raise SpecDecodeError(f"a cache needs num_slots >= 1 and max_len >= 1 (got {num_slots}, {max_len})")
+            raise SpecDecodeError(
+                f"a cache needs num_slots >= 1 and max_len >= 1 (got {num_slots}, {max_len})"
+            )
         self.num_slots = num_slots
         self.max_len = max_len
         self.lengths: list[int] = [0] * num_slots
@@ -68,7 +70,9 @@ class CacheState:
                 f"cannot commit {num_kept} rows to slot {slot}: it holds {start} of {self.max_len} rows"
             )
         if kept_rows is not None:
-            rows = [int(r) for r in (kept_rows.tolist() if isinstance(kept_rows, torch.Tensor) else kept_rows)]
+            rows = [
+                int(r) for r in (kept_rows.tolist() if isinstance(kept_rows, torch.Tensor) else kept_rows)
+            ]
             if len(rows) != num_kept:
                 raise ValueError(f"kept_rows has {len(rows)} entries but num_kept is {num_kept}")
             if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (rows and rows[0] < 0):

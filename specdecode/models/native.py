@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import FINAL_NORM, ForwardOutput, ModelInfo, check_capture, host_list
+from specdecode.models.base import (
+    FINAL_NORM,
+    ForwardOutput,
+    ModelInfo,
+    check_capture,
+    chunked_prefill,
+    host_list,
+)
 from specdecode.models.kv_cache import KVCache
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -62,7 +69,9 @@ class NativeSpec:
             raise SpecDecodeError(f"NativeDecoder supports {NATIVE_MODEL_TYPES}, not model_type {mt!r}")
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise SpecDecodeError(f"NativeDecoder supports the SiLU MLP only, this config has hidden_act={act!r}")
+            raise SpecDecodeError(
+                f"NativeDecoder supports the SiLU MLP only, this config has hidden_act={act!r}"
+            )
         d, h = config.hidden_size, config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or d // h
         window = None
@@ -131,14 +140,24 @@ class _Layer(nn.Module):
 
 @dataclass
 class _Plan:
-    """How one forward writes and reads the cache; computed on the host before the layer loop."""
+    """How one forward writes and reads the cache; built on the host before the layer loop.
 
-    s0: int | None  # first slot when the slots are a contiguous range (views), else None
-    slot_idx: torch.Tensor | None  # [B] long, gather/scatter path
-    write_at: int | None  # common first row when every row starts there (slice write)
-    rows: torch.Tensor | None  # [B, N] long write rows (index path); padded rows past the end -> scratch
-    span: int  # rows 0..span-1 are read
+    Per-layer views are cut from the cache buffer once per forward (one `unbind` each), so the
+    layer loop itself does no indexing. Exactly one of k_dst / k_all and one of k_src / k_span is set.
+    """
+
+    s0: int | None  # first slot when the slots are a contiguous range, else None
+    slot_idx: torch.Tensor | None  # [B] long (scatter/gather paths)
+    rows: torch.Tensor | None  # [B, N] long write rows; padded rows past the end go to the scratch row
     mask: torch.Tensor | None  # [B|1, 1, G*N, span] bool; None = every query sees all span rows
+    k_dst: tuple | None = None  # layer -> [B, N, Hk, D] destination view (contiguous slots, equal lengths)
+    v_dst: tuple | None = None
+    k_all: tuple | None = None  # layer -> [S, R, Hk, D] whole-cache view for index_put_
+    v_all: tuple | None = None
+    k_src: tuple | None = None  # layer -> [B, Hk, span, D] view read by attention
+    v_src: tuple | None = None
+    k_span: tuple | None = None  # layer -> [S, Hk, span, D], gathered by slot_idx
+    v_span: tuple | None = None
 
 
 class NativeDecoder(nn.Module):
@@ -169,6 +188,7 @@ class NativeDecoder(nn.Module):
             head_dim=spec.head_dim,
         )
         self._ensure_rope(min(spec.max_position, 8192))
+        self._refresh()
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -185,22 +205,35 @@ class NativeDecoder(nn.Module):
         pre = "model." if "model.embed_tokens.weight" in tensors else ""
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
-            if name not in tensors:
-                if required:
-                    raise SpecDecodeError(f"the checkpoint lacks tensor {name!r}; is it a {spec.model_type} model?")
-                return None
-            return tensors[name].to(device=device, dtype=dtype)
+            return cat([name], required)
 
         def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
-            parts = [get(n, required) for n in names]
-            return None if any(p is None for p in parts) else torch.cat(parts, 0).contiguous()
+            # Convert each source straight into its rows of one preallocated tensor (one pass).
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                if required:
+                    raise SpecDecodeError(
+                        f"the checkpoint lacks tensor {missing[0]!r}; is it a {spec.model_type} model?"
+                    )
+                return None
+            parts = [tensors[n] for n in names]
+            out = torch.empty(
+                (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=device
+            )
+            row = 0
+            for p in parts:
+                out[row : row + p.shape[0]].copy_(p)
+                row += p.shape[0]
+            return out
 
         layers = []
         for i in range(spec.num_layers):
             a, m = f"{pre}layers.{i}.self_attn.", f"{pre}layers.{i}.mlp."
             t = {
                 "ln1": get(f"{pre}layers.{i}.input_layernorm.weight"),  # [d]
-                "w_qkv": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),  # [(H+2Hk)D, d]
+                "w_qkv": cat(
+                    [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+                ),  # [(H+2Hk)D, d]
                 "b_qkv": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], False),
                 "w_o": get(a + "o_proj.weight"),  # [d, H*D]
                 "b_o": get(a + "o_proj.bias", False),
@@ -226,16 +259,6 @@ class NativeDecoder(nn.Module):
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A cache for `num_slots` requests of up to `max_len` tokens each (prompt + generated)."""
         s = self.spec
-        if max_len > s.max_position:
-            raise SpecDecodeError(
-                f"prompt + max_new_tokens exceeds the cache/context length {s.max_position}; lower "
-                f"max_new_tokens or shorten the prompt (a cache of {max_len} rows was requested)"
-            )
-        if s.sliding_window is not None and max_len > s.sliding_window:
-            raise SpecDecodeError(
-                f"this model uses sliding-window attention ({s.sliding_window} tokens), which NativeDecoder "
-                f"does not implement; keep prompt + max_new_tokens <= {s.sliding_window}"
-            )
         self._ensure_rope(max_len)
         return KVCache(
             s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.info.dtype, self.info.device
@@ -271,18 +294,18 @@ class NativeDecoder(nn.Module):
         positions = positions.to(dev, non_blocking=True)
         input_ids = input_ids.to(dev, non_blocking=True)
 
-        x = F.embedding(input_ids, self.embed_tokens)  # [B, N, d]
+        x = F.embedding(input_ids.reshape(B * N), self.embed_tokens)  # [B*N, d]: 2D keeps mm calls direct
         cs = self._rope[positions]  # [B, N, 2, D]
         cos, sin = cs[:, :, 0:1], cs[:, :, 1:2]  # [B, N, 1, D] each
         hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = self._layer(layer, x, cos, sin, cache.k[i], cache.v[i], plan)
+        for i, w in enumerate(self._flat):
+            x = self._layer(w, x, cos, sin, plan, i)
             if i in capture:
-                hidden[i] = x
+                hidden[i] = x.view(B, N, -1)
         x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         if FINAL_NORM in capture:
-            hidden[FINAL_NORM] = x
-        return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
+            hidden[FINAL_NORM] = x.view(B, N, -1)
+        return ForwardOutput(logits=self.lm_head(x).view(B, N, -1), hidden=hidden)
 
     __call__ = forward  # skip nn.Module hook dispatch on the hot path
 
@@ -296,90 +319,58 @@ class NativeDecoder(nn.Module):
         capture: Sequence[int] = (),
         chunk_size: int = 512,
     ) -> ForwardOutput:
-        """Write and COMMIT whole prompts in chunks, from each slot's current length.
-
-        Returns the logits of each row's last valid token, `[B, 1, V]` fp32, and the requested
-        hidden states for every prompt position, `[B, P, d]` (padded positions are garbage).
-        """
-        B, P = input_ids.shape
-        slot_list = host_list(slots)
-        counts = host_list(num_new) or [P] * B
-        cache.check_room(slot_list, counts)
-        last: list[torch.Tensor | None] = [None] * B
-        parts: dict[int, list[torch.Tensor]] = {c: [] for c in capture}
-        for c0 in range(0, P, chunk_size):
-            c1 = min(P, c0 + chunk_size)
-            valid = [max(0, min(n, c1) - c0) for n in counts]
-            lens = [cache.lengths[x] for x in slot_list]
-            positions = torch.tensor(lens).unsqueeze(1) + torch.arange(c1 - c0)
-            out = self.forward(
-                input_ids[:, c0:c1],
-                positions,
-                cache,
-                slot_list,
-                None if all(v == c1 - c0 for v in valid) else valid,
-                None,
-                capture,
-            )
-            for b, (n, v) in enumerate(zip(counts, valid, strict=True)):
-                if v > 0 and c0 + v == n:  # this chunk holds row b's last prompt token
-                    last[b] = out.logits[b, v - 1]
-                cache.commit(slot_list[b], v)
-            for c in capture:
-                parts[c].append(out.hidden[c])
-        if any(t is None for t in last):
-            raise SpecDecodeError("prefill needs at least one prompt token per request")
-        hidden = {c: torch.cat(p, 1) for c, p in parts.items()}
-        return ForwardOutput(logits=torch.stack(last).unsqueeze(1), hidden=hidden)
+        """Write and COMMIT whole prompts in chunks (see `base.chunked_prefill`)."""
+        return chunked_prefill(self, input_ids, cache, slots, num_new, capture, chunk_size)
 
     # -- internals --------------------------------------------------------------------------------
-    def _layer(self, w: _Layer, x, cos, sin, kc, vc, plan: _Plan) -> torch.Tensor:
+    def _layer(self, w: tuple, x, cos, sin, plan: _Plan, i: int) -> torch.Tensor:
+        """One decoder layer on x [B*N, d]; weights `w` are [in, out] views (see `_refresh`)."""
         s = self.spec
-        B, N, d = x.shape
-        H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
+        ln1, qkv_t, b_qkv, qk_norm, o_t, b_o, ln2, gu_t, b_gu, down_t, b_down = w
+        B, N = cos.shape[:2]
+        d, H, Hk, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         G = H // Hk
         # 1. attention input: fused QKV projection, (qwen3) per-head norm, RoPE on q and k at once
-        h = F.rms_norm(x, (d,), w.ln1, s.rms_norm_eps)
-        qkv = F.linear(h, w.w_qkv, w.b_qkv)  # [B, N, (H+2Hk)D]
-        qk = qkv[..., : (H + Hk) * D].view(B, N, H + Hk, D)
-        v = qkv[..., (H + Hk) * D :].view(B, N, Hk, D)
-        if w.qk_norm is not None:
-            qk = F.rms_norm(qk, (D,), None, s.rms_norm_eps) * w.qk_norm
+        h = F.rms_norm(x, (d,), ln1, s.rms_norm_eps)
+        qkv = torch.mm(h, qkv_t) if b_qkv is None else torch.addmm(b_qkv, h, qkv_t)  # [B*N, (H+2Hk)D]
+        qk = qkv[:, : (H + Hk) * D].view(B, N, H + Hk, D)
+        v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
+        if qk_norm is not None:
+            qk = F.rms_norm(qk, (D,), None, s.rms_norm_eps) * qk_norm
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the table holds the signed sin.
         qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, N, H+Hk, D]
         k = qk[:, :, H:]  # [B, N, Hk, D]
         # 2. write the new K/V rows, then read the span this step attends to
-        if plan.write_at is not None:
-            r0 = plan.write_at
-            kc[plan.s0 : plan.s0 + B, :, r0 : r0 + N].copy_(k.transpose(1, 2))
-            vc[plan.s0 : plan.s0 + B, :, r0 : r0 + N].copy_(v.transpose(1, 2))
+        if plan.k_dst is not None:
+            plan.k_dst[i].copy_(k)
+            plan.v_dst[i].copy_(v)
         else:
             idx = (plan.slot_idx.unsqueeze(1), plan.rows)
-            kc.transpose(1, 2).index_put_(idx, k)
-            vc.transpose(1, 2).index_put_(idx, v)
-        if plan.s0 is not None:
-            keys = kc[plan.s0 : plan.s0 + B, :, : plan.span]  # [B, Hk, span, D] view
-            values = vc[plan.s0 : plan.s0 + B, :, : plan.span]
+            plan.k_all[i].index_put_(idx, k)
+            plan.v_all[i].index_put_(idx, v)
+        if plan.k_src is not None:
+            keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
         else:
-            keys = kc[:, :, : plan.span].index_select(0, plan.slot_idx)
-            values = vc[:, :, : plan.span].index_select(0, plan.slot_idx)
+            keys = plan.k_span[i].index_select(0, plan.slot_idx)
+            values = plan.v_span[i].index_select(0, plan.slot_idx)
         # 3. attention with the G query heads of each KV head folded into the query axis
         q = qk[:, :, :H]  # [B, N, H, D]
         if N == 1:
-            q = q.reshape(B, Hk, G, D)
+            q = q.view(B, Hk, G, D)
         else:
             q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask)  # [B, Hk, G*N, D]
         if N == 1:
-            o = o.reshape(B, 1, H * D)
+            o = o.view(B, H * D)
         else:
-            o = o.reshape(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B, N, H * D)
-        x = x + F.linear(o, w.w_o, w.b_o)
+            o = o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
+        x = x + (torch.mm(o, o_t) if b_o is None else torch.addmm(b_o, o, o_t))
         # 4. SiLU MLP with fused gate/up
-        h = F.rms_norm(x, (d,), w.ln2, s.rms_norm_eps)
-        gu = F.linear(h, w.w_gu, w.b_gu)  # [B, N, 2I]
+        h = F.rms_norm(x, (d,), ln2, s.rms_norm_eps)
+        gu = torch.mm(h, gu_t) if b_gu is None else torch.addmm(b_gu, h, gu_t)  # [B*N, 2I]
         inter = s.intermediate_size
-        return x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], w.w_down, w.b_down)
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [B*N, I]
+        return x + (torch.mm(act, down_t) if b_down is None else torch.addmm(b_down, act, down_t))
 
     def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
         """Plan the cache writes/reads and build the attention mask once for all layers."""
@@ -390,28 +381,40 @@ class NativeDecoder(nn.Module):
         if counts is not None and (len(counts) != B or any(not 0 <= n <= N for n in counts)):
             raise ValueError(f"num_new must hold {B} counts in 0..{N}, got {counts}")
         cache.check_room(slot_list, counts or [N] * B)
+        window = self.spec.sliding_window
+        if window is not None and max(cache.lengths[x] for x in slot_list) + N > window:
+            raise SpecDecodeError(
+                f"this model uses sliding-window attention ({window} tokens), which NativeDecoder does not "
+                f"implement; keep prompt + max_new_tokens <= {window}"
+            )
         dev = self.embed_tokens.device
         lens = [cache.lengths[x] for x in slot_list]
         L = lens[0]
         contiguous = slot_list == list(range(slot_list[0], slot_list[0] + B))
         uniform = all(n == L for n in lens) and L + N <= cache.max_len
         span = min(max(lens) + N, cache.max_len)
-        slot_idx = None if contiguous else torch.tensor(slot_list, device=dev)
-        write_at = L if contiguous and uniform else None
-        rows = None
-        lens_t = None
-        if write_at is None:
+        kv = cache.kv  # [2, layers, S, Hk, R, D]
+        plan = _Plan(slot_list[0] if contiguous else None, None, None, None)
+        if contiguous and uniform:
+            dst = kv[:, :, slot_list[0] : slot_list[0] + B, :, L : L + N].transpose(
+                -2, -3
+            )  # [2, ly, B, N, Hk, D]
+            plan.k_dst, plan.v_dst = dst[0].unbind(0), dst[1].unbind(0)
+        else:
             lens_t = torch.tensor(lens, device=dev)
-            rows = (lens_t.unsqueeze(1) + torch.arange(N, device=dev)).clamp_(max=cache.scratch_row)
-            if slot_idx is None:
-                slot_idx = torch.tensor(slot_list, device=dev)
-        mask = None
+            plan.slot_idx = torch.tensor(slot_list, device=dev)
+            plan.rows = (lens_t.unsqueeze(1) + torch.arange(N, device=dev)).clamp_(max=cache.scratch_row)
+            full = kv.transpose(-2, -3)  # [2, layers, S, R, Hk, D]
+            plan.k_all, plan.v_all = full[0].unbind(0), full[1].unbind(0)
+        if contiguous:
+            src = kv[:, :, slot_list[0] : slot_list[0] + B, :, :span]  # [2, layers, B, Hk, span, D]
+            plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+        else:
+            src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D]
+            plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
         if not (N == 1 and uniform and tree_mask is None):
-            if lens_t is None:
-                lens_t = torch.tensor(lens, device=dev)
-            mask = self._mask(B, N, span, lens_t, counts, tree_mask, dev)
-        s0 = slot_list[0] if contiguous else None
-        return _Plan(s0, slot_idx, write_at, rows, span, mask)
+            plan.mask = self._mask(B, N, span, torch.tensor(lens, device=dev), counts, tree_mask, dev)
+        return plan
 
     def _mask(self, B, N, span, lens_t, counts, tree_mask, dev) -> torch.Tensor:
         """[B, 1, G*N, span] bool: committed rows, plus new rows by tree_mask (or causally)."""
@@ -443,6 +446,29 @@ class NativeDecoder(nn.Module):
         self._rope = table.to(self.info.dtype)  # [length, 2, D]
         self._rope_len = length
 
+    def _refresh(self) -> None:
+        """Per-layer tuples of weights with matrices as [in, out] views, for direct torch.mm calls."""
+
+        def t(p):
+            return None if p is None else p.t()
+
+        self._flat = [
+            (
+                w.ln1,
+                t(w.w_qkv),
+                w.b_qkv,
+                w.qk_norm,
+                t(w.w_o),
+                w.b_o,
+                w.ln2,
+                t(w.w_gu),
+                w.b_gu,
+                t(w.w_down),
+                w.b_down,
+            )
+            for w in self.layers
+        ]
+
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() rebuild the RoPE table on the new device/dtype and update info.
         out = super()._apply(fn, recurse)
@@ -452,6 +478,7 @@ class NativeDecoder(nn.Module):
         self._inv_freq = self._inv_freq.to(p.device)
         self._rope_len = 0
         self._ensure_rope(n)
+        self._refresh()
         return out
 
 

@@ -1,0 +1,284 @@
+"""load_model(spec) -> LoadedModel: an alias, a local Hugging Face directory, or a hub id.
+
+Contract:
+* `spec` is resolved in this order: an alias of `specdecode.assets.MODELS` (installed on first
+  use by `ensure_model`), an existing local directory (config.json + safetensors, sharded or
+  not, or pytorch_model.bin), a path-like string that does not exist (SpecDecodeError listing
+  the aliases), else a hub id handed to huggingface_hub (which finds it in the local HF cache or
+  downloads it); failure is a SpecDecodeError that lists the aliases.
+* llama / qwen2 / qwen3 / mistral checkpoints become a `NativeDecoder` with weights read
+  straight from the safetensors files; every other causal LM is wrapped in `HFAdapter`.
+* `LoadedModel.vocab_size` is the tokenizer's size (what sampling may emit); the model's head
+  may have more rows (`model.info.vocab_size`). `eos_token_ids` merges the tokenizer's,
+  config's and generation config's end-of-sequence ids.
+* Fingerprints: `tokenizer_fingerprint` hashes the sorted vocabulary and the special tokens;
+  `model_fingerprint(config, tokenizer)` adds the architecture fields, so a trained drafter
+  can check that it is paired with the target it was trained for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_ARCH_FIELDS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: the `CausalLM`, its tokenizer and identity."""
+
+    model: object  # CausalLM: NativeDecoder or HFAdapter
+    tokenizer: object  # transformers tokenizer
+    path: Path  # the Hugging Face directory the weights came from
+    name: str  # the alias, hub id or directory as given
+    fingerprint: str  # model_fingerprint(config, tokenizer)
+    vocab_size: int  # tokenizer size: ids >= this are never sampled
+    eos_token_ids: tuple[int, ...] = ()
+    config: object = None  # transformers config
+    tokenizer_fingerprint: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ---- public API ---------------------------------------------------------------------------------
+def load_model(
+    spec: str | os.PathLike, dtype: str | torch.dtype = "bf16", device: str | None = None
+) -> LoadedModel:
+    """Load `spec` (alias, local HF directory or hub id) as a `LoadedModel` (see module docstring)."""
+    torch_dtype = resolve_dtype(dtype)
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = str(spec)
+    path = resolve_path(name)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise SpecDecodeError(
+            f"{path} is not a Hugging Face model directory ({e}); it needs a config.json"
+        ) from e
+    tokenizer = load_tokenizer(path)
+    archs = tuple(getattr(config, "architectures", None) or ())
+    if any(a in NATIVE_ARCHITECTURES for a in archs) or (not archs and config.model_type in _native_types()):
+        from specdecode.models.native import NativeDecoder
+
+        with _checkpoint(path) as tensors:
+            model = NativeDecoder.from_hf(config, tensors, torch_dtype, dev)
+    else:
+        model = _load_hf(path, config, torch_dtype, dev)
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        name=name,
+        fingerprint=_model_fingerprint(config, tok_fp),
+        vocab_size=min(len(tokenizer), model.info.vocab_size),
+        eos_token_ids=eos_token_ids(path, config, tokenizer),
+        config=config,
+        tokenizer_fingerprint=tok_fp,
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of: bf16, fp32, fp16")
+    return DTYPES[dtype]
+
+
+def resolve_path(spec: str) -> Path:
+    """Alias -> installed directory; local directory as is; hub id -> snapshot directory."""
+    aliases = _aliases()
+    if aliases is not None and spec in aliases:
+        from specdecode.assets import ensure_model
+
+        return Path(ensure_model(spec))
+    local = Path(spec).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise SpecDecodeError(f"{local} is not a Hugging Face model directory: it has no config.json")
+        return local
+    if not _HUB_ID.match(spec) or spec.startswith((".", "~")):
+        raise SpecDecodeError(f"model path {spec!r} does not exist; {_alias_hint(aliases)}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+        return Path(snapshot_download(repo_id=spec, allow_patterns=patterns))
+    except Exception as e:
+        raise SpecDecodeError(
+            f"model {spec!r} could not be found locally or on the Hugging Face hub "
+            f"({type(e).__name__}); {_alias_hint(aliases)}, or pass a local model directory"
+        ) from None
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise SpecDecodeError(
+            f"could not load a tokenizer from {path} ({e}); the directory needs its tokenizer files"
+        ) from e
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the sorted vocabulary (token, id) and the special tokens."""
+    h = hashlib.sha256()
+    for tok, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0])):
+        h.update(f"{idx}\t{tok}\n".encode())
+    specials = {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())}
+    h.update(json.dumps(specials, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers map the same strings to the same ids (same fingerprint)."""
+    return a is b or tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+
+
+def model_fingerprint(config, tokenizer) -> str:
+    """sha256 over the architecture fields of `config` and the tokenizer fingerprint."""
+    return _model_fingerprint(config, tokenizer_fingerprint(tokenizer))
+
+
+def _model_fingerprint(config, tok_fp: str) -> str:
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
+    blob = json.dumps(arch, sort_keys=True, default=str) + tok_fp
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def eos_token_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids from the tokenizer, the config and generation_config.json."""
+    ids: list[int] = []
+
+    def add(v) -> None:
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, int) and x >= 0 and x not in ids:
+                ids.append(x)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(config, "eos_token_id", None))
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass
+    return tuple(ids)
+
+
+# ---- internals ----------------------------------------------------------------------------------
+def _aliases() -> list[str] | None:
+    """Alias names from specdecode.assets, or None when that module is unavailable."""
+    try:
+        from specdecode.assets import MODELS
+    except ImportError:
+        return None
+    return [str(getattr(m, "alias", m)) for m in MODELS]
+
+
+def _alias_hint(aliases: list[str] | None) -> str:
+    if not aliases:
+        return "give a local Hugging Face model directory"
+    return "known aliases: " + ", ".join(aliases)
+
+
+def _native_types() -> tuple[str, ...]:
+    from specdecode.models.native import NATIVE_MODEL_TYPES
+
+    return NATIVE_MODEL_TYPES
+
+
+class _Tensors(Mapping):
+    """Lazy name -> tensor view of a checkpoint's safetensors files (read on access)."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in set(files.values())}
+        self._where = files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class _checkpoint:  # noqa: N801 - used as a context manager
+    """Open a directory's weights as a name -> tensor mapping (safetensors preferred)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> Mapping[str, torch.Tensor]:
+        p = self.path
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return _Tensors({k: p / v for k, v in weight_map.items()})
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            from safetensors import safe_open
+
+            where = {}
+            for f in files:
+                with safe_open(str(f), framework="pt", device="cpu") as h:
+                    where.update(dict.fromkeys(h.keys(), f))
+            return _Tensors(where)
+        bins = sorted(p.glob("pytorch_model*.bin"))
+        if bins:
+            state: dict[str, torch.Tensor] = {}
+            for f in bins:
+                state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+            return state
+        raise SpecDecodeError(
+            f"{p} has no weights (model.safetensors, sharded safetensors or pytorch_model.bin)"
+        )
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _load_hf(path: Path, config, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.hf_adapter import HFAdapter
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:
+        raise SpecDecodeError(f"transformers could not load {path} as a causal LM: {e}") from e
+    return HFAdapter(model.to(device))

@@ -1,0 +1,220 @@
+"""NativeDecoder against transformers (fp32) and against itself: trees, ragged batches, capture."""
+
+import pytest
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.native import NativeDecoder
+
+ATOL = 1e-4
+KINDS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+
+
+def _load(path, dtype="fp32"):
+    lm = load_model(str(path), dtype=dtype, device="cpu")
+    assert isinstance(lm.model, NativeDecoder)
+    return lm.model
+
+
+def _ids(n, seed=0, vocab=400, batch=1):
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _check_against_hf(model, ref, num_prompt=9, num_decode=5, capture_layers=(0,)):
+    ids = _ids(num_prompt + num_decode + 3)
+    with torch.no_grad():
+        r = ref(ids, output_hidden_states=True)
+    cache = model.new_cache(2, 64)
+    # 1. prefill in one forward (slot 1: slots are independent), with hidden capture
+    last = model.info.num_layers - 1
+    out = model.forward(ids[:, :num_prompt], None, cache, [1], capture=(*capture_layers, last, -1))
+    torch.testing.assert_close(out.logits, r.logits[:, :num_prompt], atol=ATOL, rtol=0)
+    for i in capture_layers:  # layer i < last is transformers' hidden_states[i + 1]
+        torch.testing.assert_close(
+            out.hidden[i], r.hidden_states[i + 1][:, :num_prompt], atol=ATOL, rtol=1e-5
+        )
+    # transformers' last entry is the final normed state (our -1); our `last` is the raw layer output
+    torch.testing.assert_close(out.hidden[-1], r.hidden_states[-1][:, :num_prompt], atol=ATOL, rtol=0)
+    normed = torch.nn.functional.rms_norm(
+        out.hidden[last], (model.info.hidden_size,), model.norm, model.spec.rms_norm_eps
+    )
+    torch.testing.assert_close(normed, out.hidden[-1], atol=ATOL, rtol=0)
+    cache.commit(1, num_prompt)
+    # 2. incremental decode through the cache
+    for j in range(num_prompt, num_prompt + num_decode):
+        o = model.forward(ids[:, j : j + 1], torch.tensor([[j]]), cache, [1])
+        torch.testing.assert_close(o.logits[0, 0], r.logits[0, j], atol=ATOL, rtol=0)
+        cache.commit(1, 1)
+    # 3. a 3-token verification block on top
+    j = num_prompt + num_decode
+    o = model.forward(ids[:, j : j + 3], None, cache, [1])
+    torch.testing.assert_close(o.logits, r.logits[:, j : j + 3], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_transformers_fp32(kind, request, hf_reference):
+    path = request.getfixturevalue(kind)
+    model = _load(path)
+    _check_against_hf(model, hf_reference(path), capture_layers=(0,))
+    assert model.info.vocab_size == 448 and model.info.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+    ],
+)  # fmt: skip
+def test_rope_scaling_matches_transformers(rope, make_tiny_model, hf_reference):
+    path = make_tiny_model("llama", f"llama_{rope['rope_type']}", rope_parameters=rope)
+    _check_against_hf(_load(path), hf_reference(path), num_prompt=40, num_decode=3)
+
+
+def test_unsupported_rope_is_refused(make_tiny_model):
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    path = make_tiny_model("llama", "llama_yarn", rope_parameters=rope)
+    with pytest.raises(SpecDecodeError, match="rope type 'yarn' is not supported"):
+        _load(path)
+
+
+def _tree():
+    # node: 0 root; 1, 2 children of 0; 3 child of 1; 4 child of 2; 5 child of 3
+    parents = [-1, 0, 0, 1, 2, 3]
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = []
+    for i in range(n):
+        j, d = i, 0
+        while j >= 0:
+            mask[i, j] = True
+            j, d = parents[j], d + 1
+        depth.append(d - 1)
+    return mask, torch.tensor(depth), [[0, 1, 3, 5], [0, 2, 4]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_block_equals_its_paths_as_chains(kind, request):
+    model = _load(request.getfixturevalue(kind))
+    mask, depth, paths = _tree()
+    prompt, tree_ids = _ids(7, seed=1), _ids(6, seed=2)
+    cache = model.new_cache(1, 32)
+    model.prefill(prompt, cache, [0])  # commits 7 rows
+    out = model.forward(tree_ids, (7 + depth)[None], cache, [0], tree_mask=mask[None], capture=(1, -1))
+    for path in paths:
+        chain = model.forward(tree_ids[:, path], None, cache, [0], capture=(1, -1))
+        torch.testing.assert_close(out.logits[:, path], chain.logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.hidden[1][:, path], chain.hidden[1], atol=ATOL, rtol=0)
+    # Keeping a path by compaction == having fed that path as a chain.
+    model.forward(tree_ids, (7 + depth)[None], cache, [0], tree_mask=mask[None])
+    cache.commit(0, 3, kept_rows=[0, 2, 4])
+    nxt = _ids(2, seed=3)
+    after_tree = model.forward(nxt, None, cache, [0]).logits
+    ref = model.new_cache(1, 32)
+    model.prefill(torch.cat([prompt, tree_ids[:, [0, 2, 4]]], 1), ref, [0])
+    torch.testing.assert_close(after_tree, model.forward(nxt, None, ref, [0]).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ragged_batch_equals_single_requests(kind, request):
+    model = _load(request.getfixturevalue(kind))
+    prompt_lens, new_counts, slots = [5, 9, 3], [4, 1, 3], [3, 0, 1]  # non-contiguous slots
+    prompts = [_ids(n, seed=10 + i) for i, n in enumerate(prompt_lens)]
+    blocks = [_ids(4, seed=20 + i) for i in range(3)]
+    batch_cache = model.new_cache(4, 32)
+    for p, s in zip(prompts, slots, strict=True):
+        model.prefill(p, batch_cache, [s])
+    ids = torch.cat(blocks)  # [3, 4] (right padding = whatever the block holds past num_new)
+    positions = torch.tensor(prompt_lens)[:, None] + torch.arange(4)
+    out = model.forward(ids, positions, batch_cache, torch.tensor(slots), num_new=new_counts, capture=(0,))
+    for b in range(3):
+        single = model.new_cache(1, 32)
+        model.prefill(prompts[b], single, [0])
+        n = new_counts[b]
+        ref = model.forward(blocks[b][:, :n], None, single, [0], capture=(0,))
+        torch.testing.assert_close(out.logits[b : b + 1, :n], ref.logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.hidden[0][b : b + 1, :n], ref.hidden[0], atol=ATOL, rtol=0)
+    assert torch.isfinite(out.logits).all()
+    # After committing different amounts, a contiguous batched decode step still matches.
+    for b, s in enumerate(slots):
+        batch_cache.commit(s, new_counts[b])
+    order = [0, 1]  # slots 0 and 1: a contiguous range read through views, different lengths
+    step = torch.tensor([[7], [8]])
+    out2 = model.forward(step, None, batch_cache, order)
+    for row, s in enumerate(order):
+        b = slots.index(s)
+        seq = torch.cat([prompts[b], blocks[b][:, : new_counts[b]], step[row : row + 1]], 1)
+        ref = model.forward(seq, None, model.new_cache(1, 32), [0])
+        torch.testing.assert_close(out2.logits[row, 0], ref.logits[0, -1], atol=ATOL, rtol=0)
+
+
+def test_batched_tree_and_chain_rows(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    mask, depth, paths = _tree()
+    cache = model.new_cache(2, 32)
+    model.prefill(_ids(5, seed=4), cache, [0])
+    model.prefill(_ids(8, seed=5), cache, [1])
+    ids = torch.cat([_ids(6, seed=6), _ids(6, seed=7)])
+    masks = torch.stack([mask, torch.ones(6, 6, dtype=torch.bool).tril()])  # row 1: a plain chain
+    positions = torch.stack([5 + depth, 8 + torch.arange(6)])
+    out = model.forward(ids, positions, cache, [0, 1], tree_mask=masks)
+    for path in paths:
+        chain = model.forward(ids[:1, path], None, cache, [0])
+        torch.testing.assert_close(out.logits[:1, path], chain.logits, atol=ATOL, rtol=0)
+    chain = model.forward(ids[1:], None, cache, [1])
+    torch.testing.assert_close(out.logits[1:], chain.logits, atol=ATOL, rtol=0)
+
+
+def test_prefill_chunks_equal_one_forward(tiny_qwen2_dir):
+    model = _load(tiny_qwen2_dir)
+    prompts = torch.cat([_ids(23, seed=8), _ids(23, seed=9)])
+    a, b = model.new_cache(2, 40), model.new_cache(2, 40)
+    whole = model.forward(prompts, None, a, [0, 1], num_new=[23, 17], capture=(-1,))
+    chunked = model.prefill(prompts, b, [0, 1], num_new=[23, 17], capture=(-1,), chunk_size=5)
+    assert b.lengths == [23, 17] and a.lengths == [0, 0]  # prefill commits; forward never does
+    torch.testing.assert_close(chunked.logits[0, 0], whole.logits[0, 22], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunked.logits[1, 0], whole.logits[1, 16], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunked.hidden[-1][1, :17], whole.hidden[-1][1, :17], atol=ATOL, rtol=0)
+
+
+def test_decode_step_plan_is_lean(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    cache = model.new_cache(4, 16)
+    cache.commit(1, 3)
+    cache.commit(2, 3)
+    plan = model._plan(2, 1, cache, [1, 2], None, None)
+    assert plan.mask is None and plan.s0 == 1 and plan.k_dst is not None  # views, no mask
+    plan = model._plan(2, 1, cache, [2, 1], None, None)
+    assert plan.s0 is None  # a non-contiguous order gathers
+
+
+def test_overflow_and_bad_capture(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    cache = model.new_cache(1, 8)
+    model.prefill(_ids(6), cache, [0])
+    with pytest.raises(SpecDecodeError, match="exceeds the cache/context length 8"):
+        model.forward(_ids(3), None, cache, [0])
+    out = model.forward(_ids(3), None, cache, [0], num_new=[2])  # the last row is padding: fits
+    assert torch.isfinite(out.logits).all()
+    with pytest.raises(SpecDecodeError, match="cannot capture hidden layer 7"):
+        model.forward(_ids(1), None, cache, [0], capture=(7,))
+
+
+def test_bf16_is_close_to_fp32(tiny_qwen3_dir):
+    m32, m16 = _load(tiny_qwen3_dir), _load(tiny_qwen3_dir, "bf16")
+    assert m16.info.dtype == torch.bfloat16 and m16.embed_tokens.dtype == torch.bfloat16
+    ids = _ids(12, seed=11)
+    out32 = m32.forward(ids, None, m32.new_cache(1, 16), [0])
+    out16 = m16.forward(ids, None, m16.new_cache(1, 16), [0])
+    assert out16.logits.dtype == torch.float32
+    assert (out16.logits - out32.logits).abs().max() < 0.1 * out32.logits.abs().max()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_fp32(smollm2_dir, hf_reference):
+    model = _load(smollm2_dir)
+    _check_against_hf(
+        model, hf_reference(smollm2_dir), num_prompt=20, num_decode=4, capture_layers=(0, 14, 28)
+    )
