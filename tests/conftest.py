@@ -81,7 +81,7 @@ def build_tokenizer(path: Path, corpus: str = CORPUS, vocab_size: int = 400) -> 
 
 
 def _config(kind: str, tokenizer, **overrides):
-    from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
@@ -109,6 +109,8 @@ def _config(kind: str, tokenizer, **overrides):
     if kind == "qwen3":
         cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0, head_dim=32, num_hidden_layers=2)
         return Qwen3Config(**{**cfg, **overrides})
+    if kind == "mistral":
+        return MistralConfig(**{**dict(common, tie_word_embeddings=False, sliding_window=None), **overrides})
     if kind == "gpt2":
         cfg = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024, **ids)
         cfg["initializer_range"] = 0.1

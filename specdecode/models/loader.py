@@ -86,8 +86,7 @@ def load_model(
     if any(a in NATIVE_ARCHITECTURES for a in archs) or (not archs and config.model_type in _native_types()):
         from specdecode.models.native import NativeDecoder
 
-        with _checkpoint(path) as tensors:
-            model = NativeDecoder.from_hf(config, tensors, torch_dtype, dev)
+        model = NativeDecoder.from_hf(config, open_checkpoint(path), torch_dtype, dev)
     else:
         model = _load_hf(path, config, torch_dtype, dev)
     tok_fp = tokenizer_fingerprint(tokenizer)
@@ -115,6 +114,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def resolve_path(spec: str) -> Path:
     """Alias -> installed directory; local directory as is; hub id -> snapshot directory."""
     aliases = _aliases()
+    if not spec.strip():
+        raise SpecDecodeError(f"no model given; {_alias_hint(aliases)}")
     if aliases is not None and spec in aliases:
         from specdecode.assets import ensure_model
 
@@ -237,39 +238,28 @@ class _Tensors(Mapping):
         return len(self._where)
 
 
-class _checkpoint:  # noqa: N801 - used as a context manager
-    """Open a directory's weights as a name -> tensor mapping (safetensors preferred)."""
+def open_checkpoint(p: Path) -> Mapping[str, torch.Tensor]:
+    """A directory's weights as a name -> tensor mapping (safetensors read lazily; .bin mmapped)."""
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return _Tensors({k: p / v for k, v in weight_map.items()})
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> Mapping[str, torch.Tensor]:
-        p = self.path
-        index = p / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return _Tensors({k: p / v for k, v in weight_map.items()})
-        files = sorted(p.glob("*.safetensors"))
-        if files:
-            from safetensors import safe_open
-
-            where = {}
-            for f in files:
-                with safe_open(str(f), framework="pt", device="cpu") as h:
-                    where.update(dict.fromkeys(h.keys(), f))
-            return _Tensors(where)
-        bins = sorted(p.glob("pytorch_model*.bin"))
-        if bins:
-            state: dict[str, torch.Tensor] = {}
-            for f in bins:
-                state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
-            return state
-        raise SpecDecodeError(
-            f"{p} has no weights (model.safetensors, sharded safetensors or pytorch_model.bin)"
-        )
-
-    def __exit__(self, *exc) -> None:
-        return None
+        where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                where.update(dict.fromkeys(h.keys(), f))
+        return _Tensors(where)
+    bins = sorted(p.glob("pytorch_model*.bin"))
+    if bins:
+        state: dict[str, torch.Tensor] = {}
+        for f in bins:
+            state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        return state
+    raise SpecDecodeError(f"{p} has no weights (model.safetensors, sharded safetensors or pytorch_model.bin)")
 
 
 def _load_hf(path: Path, config, dtype: torch.dtype, device: torch.device):

@@ -92,6 +92,8 @@ def test_bad_path_lists_aliases(tmp_path):
         assert alias in str(e.value)
     with pytest.raises(SpecDecodeError, match="does not exist"):
         load_model("./no/such/model/dir")
+    with pytest.raises(SpecDecodeError, match="no model given"):
+        load_model("")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SpecDecodeError, match="no config.json"):
         load_model(str(tmp_path / "empty"))

@@ -73,6 +73,16 @@ def test_rope_scaling_matches_transformers(rope, make_tiny_model, hf_reference):
     _check_against_hf(_load(path), hf_reference(path), num_prompt=40, num_decode=3)
 
 
+def test_mistral_and_its_sliding_window(make_tiny_model, hf_reference):
+    path = make_tiny_model("mistral", sliding_window=24)
+    model = _load(path)
+    _check_against_hf(model, hf_reference(path), num_prompt=12, num_decode=3)  # within the window
+    cache = model.new_cache(1, 64)
+    model.prefill(_ids(20), cache, [0])
+    with pytest.raises(SpecDecodeError, match="sliding-window attention"):
+        model.forward(_ids(5), None, cache, [0])
+
+
 def test_unsupported_rope_is_refused(make_tiny_model):
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     path = make_tiny_model("llama", "llama_yarn", rope_parameters=rope)
@@ -210,6 +220,10 @@ def test_bf16_is_close_to_fp32(tiny_qwen3_dir):
     out16 = m16.forward(ids, None, m16.new_cache(1, 16), [0])
     assert out16.logits.dtype == torch.float32
     assert (out16.logits - out32.logits).abs().max() < 0.1 * out32.logits.abs().max()
+    converted = _load(tiny_qwen3_dir).to(torch.bfloat16)  # .to() keeps the model consistent
+    assert converted.info.dtype == torch.bfloat16 and converted._rope.dtype == torch.bfloat16
+    out = converted.forward(ids, None, converted.new_cache(1, 16), [0])
+    torch.testing.assert_close(out.logits, out16.logits)
 
 
 @pytest.mark.slow
