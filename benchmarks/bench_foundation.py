@@ -36,7 +36,10 @@ def prompts_for(name: str, limit: int) -> list[dict]:
         return [{"id": f"mt-{r['question_id']}", "text": r["turns"][0]} for r in recs[:limit]]
     if name == "humaneval":
         return [
-            {"id": r["task_id"], "text": "Complete this Python function.\n\n```python\n" + r["prompt"] + "```"}
+            {
+                "id": r["task_id"],
+                "text": "Complete this Python function.\n\n```python\n" + r["prompt"] + "```",
+            }
             for r in recs[:limit]
         ]
     raise SystemExit(f"unknown dataset {name!r}; choose mt-bench or humaneval")
@@ -65,7 +68,7 @@ class HFPeer:
         t0 = time.perf_counter()
         out = self.model.generate(x, **kw)
         dt = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         return {"tokens": new, "n": len(new), "time": dt, "tau": None}
 
 
@@ -73,8 +76,12 @@ def run_ours(sd, ids: list[int], max_new: int) -> dict:
     from specdecode.decode import GenerationRequest
 
     r = sd.decoder.generate([GenerationRequest(ids, max_new_tokens=max_new)])[0]
-    return {"tokens": r.token_ids, "n": r.num_new_tokens, "time": r.prefill_time_s + r.decode_time_s,
-            "tau": r.tau}
+    return {
+        "tokens": r.token_ids,
+        "n": r.num_new_tokens,
+        "time": r.prefill_time_s + r.decode_time_s,
+        "tau": r.tau,
+    }
 
 
 def main() -> None:
@@ -95,8 +102,10 @@ def main() -> None:
     peers = [p for p in a.peers.split(",") if p]
 
     target = load_model(a.target, dtype=a.dtype, device="cpu")
-    ours = {m: specdecode.load(target, m, a.drafter if m == "draft" else None, dtype=a.dtype, device="cpu")
-            for m in methods}
+    ours = {
+        m: specdecode.load(target, m, a.drafter if m == "draft" else None, dtype=a.dtype, device="cpu")
+        for m in methods
+    }
     drafter_dir = load_model(a.drafter, dtype=a.dtype).path if "hf-assisted" in peers else None
     hf = {p: HFPeer(p, target.path, drafter_dir, dtype) for p in peers}
     runners = {m: (lambda ids, n, sd=sd: run_ours(sd, ids, n)) for m, sd in ours.items()}
@@ -107,21 +116,37 @@ def main() -> None:
     for ds in a.datasets.split(","):
         items = prompts_for(ds, a.limit)
         for j, item in enumerate(items):
-            ids = tok.apply_chat_template([{"role": "user", "content": item["text"]}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"]
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": item["text"]}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
             if j == 0:  # warm-up, not recorded
                 for run in runners.values():
                     run(ids, 16)
             for rep in range(a.repeats):
                 res = {name: run(ids, a.max_new_tokens) for name, run in runners.items()}
                 for name, r in res.items():
-                    rows.append({"dataset": ds, "prompt": item["id"], "repeat": rep, "method": name,
-                                 "tokens": r["n"], "time_s": r["time"], "tokens_per_s": r["n"] / r["time"],
-                                 "tau": r["tau"], "same_as_ar": r["tokens"] == res["ar"]["tokens"]
-                                 if "ar" in res else None})
-                print(f"{ds} {item['id']} rep{rep}: " + ", ".join(
-                    f"{n} {r['n'] / r['time']:.1f} tok/s" + (f" tau {r['tau']:.2f}" if r["tau"] else "")
-                    for n, r in res.items()), file=sys.stderr, flush=True)
+                    rows.append(
+                        {
+                            "dataset": ds,
+                            "prompt": item["id"],
+                            "repeat": rep,
+                            "method": name,
+                            "tokens": r["n"],
+                            "time_s": r["time"],
+                            "tokens_per_s": r["n"] / r["time"],
+                            "tau": r["tau"],
+                            "same_as_ar": r["tokens"] == res["ar"]["tokens"] if "ar" in res else None,
+                        }
+                    )
+                print(
+                    f"{ds} {item['id']} rep{rep}: "
+                    + ", ".join(
+                        f"{n} {r['n'] / r['time']:.1f} tok/s" + (f" tau {r['tau']:.2f}" if r["tau"] else "")
+                        for n, r in res.items()
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
@@ -149,13 +174,21 @@ def report(a, rows: list[dict], names: list[str]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for ds in datasets:
-        ar = {(r["prompt"], r["repeat"]): r["tokens_per_s"] for r in rows if r["dataset"] == ds and r["method"] == "ar"}
+        ar = {
+            (r["prompt"], r["repeat"]): r["tokens_per_s"]
+            for r in rows
+            if r["dataset"] == ds and r["method"] == "ar"
+        }
         for name in names:
             rs = [r for r in rows if r["dataset"] == ds and r["method"] == name]
             tps = statistics.median(r["tokens_per_s"] for r in rs)
             taus = [r["tau"] for r in rs if r["tau"] is not None]
             tau = f"{statistics.median(taus):.2f}" if taus else "-"
-            sp = [r["tokens_per_s"] / ar[(r["prompt"], r["repeat"])] for r in rs if (r["prompt"], r["repeat"]) in ar]
+            sp = [
+                r["tokens_per_s"] / ar[(r["prompt"], r["repeat"])]
+                for r in rs
+                if (r["prompt"], r["repeat"]) in ar
+            ]
             speed = f"{statistics.median(sp):.2f}x" if sp else "-"
             same = sum(bool(r["same_as_ar"]) for r in rs)
             lines.append(f"| {name} | {ds} | {tps:.1f} | {tau} | {speed} | {same}/{len(rs)} |")

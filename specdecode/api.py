@@ -34,10 +34,14 @@ def _is_single(prompt) -> bool:
 class SpecDecode:
     """A target + drafter pair ready to generate."""
 
-    def __init__(self, target, drafter, policy, method: str, max_batch: int = 8, verify_mode: str = "rejection"):
+    def __init__(
+        self, target, drafter, policy, method: str, max_batch: int = 8, verify_mode: str = "rejection"
+    ):
         self.target, self.drafter, self.method = target, drafter, method
         self.tokenizer = target.tokenizer
-        self.decoder = SpeculativeDecoder(target, drafter, policy, max_batch=max_batch, verify_mode=verify_mode)
+        self.decoder = SpeculativeDecoder(
+            target, drafter, policy, max_batch=max_batch, verify_mode=verify_mode
+        )
 
     def _items(self, prompt) -> list[PromptItem]:
         if isinstance(prompt, str):
@@ -50,7 +54,9 @@ class SpecDecode:
                 obj = {"prompt": p} if isinstance(p, str) else {"messages": p} if isinstance(p, list) else p
                 items.append(parse_item(obj, f"prompt[{i}]", str(i)))
             return items
-        raise SpecDecodeError("prompt must be a non-empty string, a list of chat messages, or a list of prompts")
+        raise SpecDecodeError(
+            "prompt must be a non-empty string, a list of chat messages, or a list of prompts"
+        )
 
     def requests(
         self,

@@ -42,8 +42,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter model for --method draft")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K, draft tokens per step")
     p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="draft-length policy")
-    p.add_argument("--verify-mode", default="rejection", choices=["rejection", "match"],
-                   help="rejection sampling (default) or sample-then-match")
+    p.add_argument(
+        "--verify-mode",
+        default="rejection",
+        choices=["rejection", "match"],
+        help="rejection sampling (default) or sample-then-match",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
@@ -88,10 +92,27 @@ def _cmd_generate(a) -> None:
 
     if a.max_new_tokens < 1:
         raise SpecDecodeError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    sd = specdecode.load(a.target, a.method, a.drafter, num_draft_tokens=a.num_draft_tokens, policy=a.policy,
-                         dtype=a.dtype, device=a.device, max_batch=a.max_batch, verify_mode=a.verify_mode)
-    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-              seed=a.seed, stop=tuple(a.stop), chat=a.chat, ignore_eos=a.ignore_eos)
+    sd = specdecode.load(
+        a.target,
+        a.method,
+        a.drafter,
+        num_draft_tokens=a.num_draft_tokens,
+        policy=a.policy,
+        dtype=a.dtype,
+        device=a.device,
+        max_batch=a.max_batch,
+        verify_mode=a.verify_mode,
+    )
+    kw = dict(
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        stop=tuple(a.stop),
+        chat=a.chat,
+        ignore_eos=a.ignore_eos,
+    )
     if a.prompts:
         items = read_prompts_jsonl(a.prompts)
         prompt = [{k: v for k, v in vars(it).items() if v not in (None, ())} for it in items]
@@ -117,8 +138,11 @@ def _cmd_generate(a) -> None:
     n = sum(r.num_new_tokens for r in results)
     steps = sum(r.num_steps for r in results)
     dt = sum(r.decode_time_s for r in results)
-    print(f"[{a.method}] {len(results)} prompt(s), {n} tokens in {steps} steps, tau {n / max(steps, 1):.2f}, "
-          f"{n / dt if dt else 0:.1f} tokens/s", file=sys.stderr)
+    print(
+        f"[{a.method}] {len(results)} prompt(s), {n} tokens in {steps} steps, tau {n / max(steps, 1):.2f}, "
+        f"{n / dt if dt else 0:.1f} tokens/s",
+        file=sys.stderr,
+    )
 
 
 def _cmd_demo(a) -> None:
@@ -140,18 +164,25 @@ def _cmd_demo(a) -> None:
         same = r_ar.token_ids == r_ng.token_ids
         rows.append((i, r_ar, r_ng, same))
         print(f"\n--- prompt {i}: {prompt[:70]!r}...\n{r_ng.text.strip()}\n", flush=True)
-        print(f"    ar {r_ar.tokens_per_s:.1f} tok/s | ngram {r_ng.tokens_per_s:.1f} tok/s, tau {r_ng.tau:.2f} "
-              f"| speed-up {r_ng.tokens_per_s / r_ar.tokens_per_s:.2f}x | identical output: {same} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"    ar {r_ar.tokens_per_s:.1f} tok/s | ngram {r_ng.tokens_per_s:.1f} tok/s, tau {r_ng.tau:.2f} "
+            f"| speed-up {r_ng.tokens_per_s / r_ar.tokens_per_s:.2f}x | identical output: {same} "
+            f"({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
     t_ar = sum(r[1].decode_time_s for r in rows)
     t_ng = sum(r[2].decode_time_s for r in rows)
     taus = sum(r[2].num_new_tokens for r in rows) / sum(r[2].num_steps for r in rows)
     same = sum(r[3] for r in rows)
-    print(f"\nOverall: ngram tau {taus:.2f}, decode speed-up over ar {t_ar / t_ng:.2f}x, "
-          f"identical greedy output on {same}/{len(rows)} prompts.")
+    print(
+        f"\nOverall: ngram tau {taus:.2f}, decode speed-up over ar {t_ar / t_ng:.2f}x, "
+        f"identical greedy output on {same}/{len(rows)} prompts."
+    )
     if a.dtype == "bf16" and same < len(rows):
-        print("Note: in bf16 a multi-token verify pass rounds differently from one-token steps, so a "
-              "near-tie can flip a greedy token; with --dtype fp32 outputs match token for token.")
+        print(
+            "Note: in bf16 a multi-token verify pass rounds differently from one-token steps, so a "
+            "near-tie can flip a greedy token; with --dtype fp32 outputs match token for token."
+        )
 
 
 def _cmd_models(a) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftRow, Drafter, Proposal, empty_proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK, PolicyState
 from specdecode.sampling import process_logits_batch
@@ -65,7 +65,10 @@ class GenerationResult:
     @property
     def acceptance_per_position(self) -> list[float]:
         """Conditional acceptance rate at each draft position."""
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position, self.reached_per_position)]
+        return [
+            a / r if r else 0.0
+            for a, r in zip(self.accepted_per_position, self.reached_per_position, strict=True)
+        ]
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -114,7 +117,9 @@ class SpeculativeDecoder:
         verify_mode: str = "rejection",
     ):
         if verify_mode not in VERIFY_MODES:
-            raise SpecDecodeError(f"unknown verify mode {verify_mode!r}; choose one of: {', '.join(VERIFY_MODES)}")
+            raise SpecDecodeError(
+                f"unknown verify mode {verify_mode!r}; choose one of: {', '.join(VERIFY_MODES)}"
+            )
         if max_batch < 1:
             raise SpecDecodeError(f"max_batch must be >= 1, got {max_batch}")
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
@@ -132,7 +137,9 @@ class SpeculativeDecoder:
         if len(req.prompt_ids) == 0:
             raise SpecDecodeError(f"request {req.id!r}: the prompt is empty; give at least one token of text")
         if req.max_new_tokens < 1:
-            raise SpecDecodeError(f"request {req.id!r}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
+            raise SpecDecodeError(
+                f"request {req.id!r}: max_new_tokens must be >= 1, got {req.max_new_tokens}"
+            )
         if len(req.prompt_ids) + req.max_new_tokens > ctx:
             raise SpecDecodeError(
                 f"request {req.id!r}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
@@ -176,7 +183,10 @@ class SpeculativeDecoder:
         """One draft -> verify -> commit round; returns the emitted token ids per request."""
         rows = [r.row() for r in running]
         # 1. Draft lengths and drafts.
-        ks = [self._budget(r, k) for r, k in zip(running, self.policy.choose([r.policy_state for r in running]))]
+        ks = [
+            self._budget(r, k)
+            for r, k in zip(running, self.policy.choose([r.policy_state for r in running]), strict=True)
+        ]
         t0 = time.perf_counter()
         prop = self.drafter.propose(rows, ks) if any(ks) else empty_proposal(len(rows))
         t1 = time.perf_counter()
@@ -184,7 +194,7 @@ class SpeculativeDecoder:
         out, num_draft = self._verify_forward(running, prop)
         # 3. Verification (lossless), then commit the kept rows.
         accepted, emitted = self._verify(running, prop, out.logits, num_draft)
-        for r, n_acc in zip(running, accepted):
+        for r, n_acc in zip(running, accepted, strict=True):
             self.cache.commit(r.slot, n_acc + 1)
         self.drafter.advance(rows, prop, accepted, out)
         t2 = time.perf_counter()

@@ -40,7 +40,11 @@ def _check_messages(messages, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise SpecDecodeError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
             raise SpecDecodeError(
                 f"{where}: messages[{i}] must be an object with string 'role' and 'content', got {m!r}"
             )
@@ -49,7 +53,9 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 def parse_item(obj, where: str, default_id: str) -> PromptItem:
     if not isinstance(obj, dict):
-        raise SpecDecodeError(f"{where}: expected a JSON object with 'prompt' or 'messages', got {type(obj).__name__}")
+        raise SpecDecodeError(
+            f"{where}: expected a JSON object with 'prompt' or 'messages', got {type(obj).__name__}"
+        )
     has_p, has_m = "prompt" in obj, "messages" in obj
     if has_p == has_m:
         raise SpecDecodeError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list)")
@@ -109,7 +115,7 @@ def encode_prompt(tokenizer, item: PromptItem, chat: bool = False) -> list[int]:
     if messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise SpecDecodeError(
-                f"prompt {item.id!r}: the tokenizer has no chat template; pass a plain 'prompt' without --chat"
+                f"prompt {item.id!r}: tokenizer has no chat template; drop --chat or give 'prompt'"
             )
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out

@@ -6,8 +6,17 @@ import pytest
 
 from specdecode.cli import main
 
-JSON_FIELDS = {"id", "text", "token_ids", "num_new_tokens", "num_steps", "tau", "accepted_per_position",
-               "decode_time_s", "tokens_per_s"}
+JSON_FIELDS = {
+    "id",
+    "text",
+    "token_ids",
+    "num_new_tokens",
+    "num_steps",
+    "tau",
+    "accepted_per_position",
+    "decode_time_s",
+    "tokens_per_s",
+}
 
 
 def _run(capsys, *argv):
@@ -18,10 +27,27 @@ def _run(capsys, *argv):
 
 def test_generate_json_from_prompts_file(capsys, tmp_path, tiny_llama_dir):
     p = tmp_path / "p.jsonl"
-    p.write_text(json.dumps({"id": "x", "prompt": "the cat"}) + "\n"
-                 + json.dumps({"id": "y", "messages": [{"role": "user", "content": "hi"}], "seed": 5}) + "\n")
-    code, out, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--method", "ngram",
-                          "--prompts", str(p), "--max-new-tokens", "8", "--dtype", "fp32", "--json")
+    p.write_text(
+        json.dumps({"id": "x", "prompt": "the cat"})
+        + "\n"
+        + json.dumps({"id": "y", "messages": [{"role": "user", "content": "hi"}], "seed": 5})
+        + "\n"
+    )
+    code, out, err = _run(
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "ngram",
+        "--prompts",
+        str(p),
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "fp32",
+        "--json",
+    )
     assert code == 0, err
     objs = [json.loads(line) for line in out.splitlines()]
     assert [o["id"] for o in objs] == ["x", "y"]
@@ -31,8 +57,20 @@ def test_generate_json_from_prompts_file(capsys, tmp_path, tiny_llama_dir):
 
 
 def test_generate_streams_text_and_summary(capsys, tiny_llama_dir):
-    code, out, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hello world",
-                          "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3")
+    code, out, err = _run(
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_llama_dir),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+    )
     assert code == 0, err
     assert out.endswith("\n") and "tokens/s" in err and "tau" in err
 
@@ -76,8 +114,18 @@ def test_prompt_longer_than_context(capsys, tiny_llama_dir):
 
 
 def test_drafter_with_other_tokenizer_is_refused(capsys, tiny_llama_dir, other_tokenizer_model_dir):
-    code, _, err = _run(capsys, "generate", "--target", str(tiny_llama_dir), "--method", "draft",
-                        "--drafter", str(other_tokenizer_model_dir), "--prompt", "hi")
+    code, _, err = _run(
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "draft",
+        "--drafter",
+        str(other_tokenizer_model_dir),
+        "--prompt",
+        "hi",
+    )
     assert code == 2 and "different tokenizer" in err
 
 

@@ -39,7 +39,9 @@ def _prompts(tok, n=3):
     return [tok(t)["input_ids"] for t in texts]
 
 
-def _decode(target, drafter, k, prompts, max_new=24, params=None, max_batch=8, policy=None, mode="rejection", seed=0):
+def _decode(
+    target, drafter, k, prompts, max_new=24, params=None, max_batch=8, policy=None, mode="rejection", seed=0
+):
     dec = SpeculativeDecoder(target, drafter, policy or FixedK(k), max_batch=max_batch, verify_mode=mode)
     reqs = [
         GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
@@ -64,7 +66,7 @@ def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
     prompts = _prompts(tiny.tokenizer)
     base = _decode(tiny, ARDrafter(), 0, prompts)
     spec = _decode(tiny, _drafters(tiny, tiny_drafter)[name], k, prompts)
-    for b, s in zip(base, spec):
+    for b, s in zip(base, spec, strict=True):
         assert s.token_ids == b.token_ids
         assert len(s.token_ids) == 24
     if name == "draft-always-agrees":
@@ -79,7 +81,9 @@ def test_adaptive_policy_is_exact_and_backs_off(tiny):
     prompts = _prompts(tiny.tokenizer)
     base = _decode(tiny, ARDrafter(), 0, prompts, max_new=40)
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
-    spec = _decode(tiny, ShiftedDrafter(tiny.model, v, rows), 4, prompts, max_new=40, policy=AdaptiveK(4, 0.3))
+    spec = _decode(
+        tiny, ShiftedDrafter(tiny.model, v, rows), 4, prompts, max_new=40, policy=AdaptiveK(4, 0.3)
+    )
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
     # With nothing ever accepted the policy stops drafting most of the time.
     assert all(sum(s.reached_per_position) < s.num_steps for s in spec)
@@ -91,8 +95,14 @@ def test_batch_equals_single_greedy_and_sampled(tiny, tiny_drafter):
         d = DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size)
         batched = _decode(tiny, d, 3, prompts, params=params, max_batch=3)
         singles = [
-            _decode(tiny, DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size),
-                    3, [p], params=params, seed=i)[0]
+            _decode(
+                tiny,
+                DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size),
+                3,
+                [p],
+                params=params,
+                seed=i,
+            )[0]
             for i, p in enumerate(prompts)
         ]
         assert [r.token_ids for r in batched] == [r.token_ids for r in singles]
@@ -138,8 +148,10 @@ def test_sampled_spec_matches_ar_distribution(tiny, tiny_drafter):
 
     def draw(drafter, k, base_seed):
         dec = SpeculativeDecoder(tiny, drafter, FixedK(k), max_batch=64)
-        reqs = [GenerationRequest(prompt, params, 2, seed=base_seed + i, id=str(i), ignore_eos=True)
-                for i in range(n)]
+        reqs = [
+            GenerationRequest(prompt, params, 2, seed=base_seed + i, id=str(i), ignore_eos=True)
+            for i in range(n)
+        ]
         return collections.Counter(tuple(r.token_ids) for r in dec.generate(reqs))
 
     ar = draw(ARDrafter(), 0, 0)
@@ -165,11 +177,18 @@ def test_smollm2_greedy_equivalence(smollm2_dir, method):
     target = load_model(str(smollm2_dir), dtype="fp32", device="cpu")
     tok = target.tokenizer
     texts = ["Write a Python function that reverses a string.", "List three colors: red, green,"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for t in texts]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for t in texts
+    ]
     base = _decode(target, ARDrafter(), 0, prompts, max_new=32)
-    drafter = NgramDrafter() if method == "ngram" else DraftModelDrafter(
-        target.model, target.vocab_size, target.model.info.vocab_size)
+    drafter = (
+        NgramDrafter()
+        if method == "ngram"
+        else DraftModelDrafter(target.model, target.vocab_size, target.model.info.vocab_size)
+    )
     spec = _decode(target, drafter, 4, prompts, max_new=32)
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
     if method == "draft-self":

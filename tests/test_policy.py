@@ -1,7 +1,7 @@
+import pytest
+
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import AdaptiveK, FixedK, PolicyState, expected_tau, make_policy
-
-import pytest
 
 
 def test_expected_tau_limits():

@@ -13,11 +13,14 @@ def _write(tmp_path, lines):
 
 
 def test_reads_prompts_and_messages(tmp_path):
-    p = _write(tmp_path, [
-        json.dumps({"id": "a", "prompt": "hello"}),
-        "",
-        json.dumps({"id": 7, "messages": [{"role": "user", "content": "hi"}], "seed": 3}),
-    ])
+    p = _write(
+        tmp_path,
+        [
+            json.dumps({"id": "a", "prompt": "hello"}),
+            "",
+            json.dumps({"id": 7, "messages": [{"role": "user", "content": "hi"}], "seed": 3}),
+        ],
+    )
     items = read_prompts_jsonl(p)
     assert [i.id for i in items] == ["a", "7"]
     assert items[0].prompt == "hello" and items[1].messages[0]["content"] == "hi" and items[1].seed == 3

@@ -8,7 +8,7 @@ method-specific lives outside `specdecode/drafters/`.
 from __future__ import annotations
 
 from specdecode.drafters.ar import ARDrafter
-from specdecode.drafters.base import DraftRow, Drafter, Proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import SpecDecodeError
 
@@ -51,4 +51,6 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
         )
     n_t, n_d = _num_params(target.model), _num_params(small.model)
     cost = n_d / n_t if n_t else 0.1
-    return DraftModelDrafter(small.model, target.vocab_size, target.model.info.vocab_size, cost_per_token=cost)
+    return DraftModelDrafter(
+        small.model, target.vocab_size, target.model.info.vocab_size, cost_per_token=cost
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.base import DraftRow, Drafter, Proposal, empty_proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.sampling import process_logits_batch, sample
 
 
@@ -78,10 +78,17 @@ class DraftModelDrafter(Drafter):
         for j in range(max_k):
             q = process_logits_batch(logits[:, None, :].float(), params, self.vocab_size)[:, 0]  # [B', V']
             u = torch.stack(
-                [torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(()) for b in rows]
+                [
+                    torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
+                    for b in rows
+                ]
             )
             x = sample(q, u.to(q.device))  # [B']
-            q = F.pad(q, (0, self.target_vocab_rows - q.shape[-1])) if q.shape[-1] < self.target_vocab_rows else q
+            q = (
+                F.pad(q, (0, self.target_vocab_rows - q.shape[-1]))
+                if q.shape[-1] < self.target_vocab_rows
+                else q
+            )
             idx = torch.tensor(rows)
             draft_ids[idx, j] = x.cpu()
             draft_probs[idx, j] = q[:, : self.target_vocab_rows].cpu()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import DraftRow, Drafter, Proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal
 from specdecode.errors import SpecDecodeError
 
 
