@@ -21,6 +21,7 @@ from specdecode.decode import GenerationRequest, GenerationResult, SpeculativeDe
 from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import make_policy
+from specdecode.profile import step_costs
 from specdecode.prompts import PromptItem, derive_seed, encode_prompt, parse_item
 
 
@@ -109,7 +110,7 @@ def load(
     drafter: str | None = None,
     *,
     num_draft_tokens: int | None = None,
-    policy: str = "fixed",
+    policy: str = "adaptive",
     dtype: str = "bf16",
     device: str | None = None,
     max_batch: int = 8,
@@ -125,5 +126,14 @@ def load(
     # A LoadedModel can be passed to share one target between several methods.
     tgt = load_model(target, dtype=dtype, device=device) if isinstance(target, str) else target
     drf = build_drafter(method, tgt, drafter, dtype=dtype, device=device)
-    pol = make_policy(policy, 0 if method == "ar" else k, draft_cost=drf.cost_per_token)
+    if method == "ar":
+        k = 0
+    verify_cost, draft_cost = 0.03, drf.cost_per_token
+    if policy == "adaptive" and k > 0:
+        # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
+        costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
+        verify_cost = [c / costs[0] for c in costs]
+        if getattr(drf, "model", None) is not None:
+            draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
+    pol = make_policy(policy, k, draft_cost=draft_cost, verify_cost=verify_cost)
     return SpecDecode(tgt, drf, pol, method, max_batch=max_batch, verify_mode=verify_mode)

@@ -41,7 +41,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="ar", help="ar, ngram or draft")
     p.add_argument("--drafter", default=None, help="drafter model for --method draft")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K, draft tokens per step")
-    p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="draft-length policy")
+    p.add_argument(
+        "--policy",
+        default="adaptive",
+        choices=["fixed", "adaptive"],
+        help="draft-length policy: adaptive (default) picks K per request from its acceptance and "
+        "the measured verify cost; fixed always drafts K",
+    )
     p.add_argument(
         "--verify-mode",
         default="rejection",

@@ -157,6 +157,7 @@ class SpeculativeDecoder:
             self.cache = self.model.new_cache(*self._cache_shape)
             self.drafter.setup(*self._cache_shape)
 
+    @torch.inference_mode()
     def _admit(self, req: GenerationRequest, slot: int) -> _Running:
         t0 = time.perf_counter()
         self.cache.reset(slot)
@@ -179,6 +180,7 @@ class SpeculativeDecoder:
         # Never draft past max_new_tokens: the last emitted token is always the target's.
         return max(0, min(k, r.req.max_new_tokens - len(r.output_ids) - 1))
 
+    @torch.inference_mode()
     def _step(self, running: list[_Running]) -> list[list[int]]:
         """One draft -> verify -> commit round; returns the emitted token ids per request."""
         rows = [r.row() for r in running]
@@ -237,6 +239,8 @@ class SpeculativeDecoder:
     def _verify(self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor):
         b_sz, k = len(running), prop.max_k
         params = [r.req.params for r in running]
+        if all(p.greedy for p in params):
+            return self._verify_greedy(prop, logits, num_draft)
         target_probs = process_logits_batch(logits, params, self.vocab_size)  # [B, K+1, V]
         # Each request draws exactly num_draft + 1 uniforms from its own generator. Chain
         # verification reads column K for the recovered / bonus token, sample-then-match reads
@@ -258,6 +262,17 @@ class SpeculativeDecoder:
         accepted = verdict.num_accepted.tolist()
         emitted_all = verdict.emitted_ids.tolist()
         return accepted, [emitted_all[b][: accepted[b] + 1] for b in range(b_sz)]
+
+    def _verify_greedy(self, prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor):
+        """T = 0 for every request: the exact limit of rejection sampling, without the one-hot
+        distributions (accept while draft == argmax; the argmax is the recovered/bonus token)."""
+        target_ids = logits[..., : self.vocab_size].argmax(dim=-1).cpu()  # [B, K+1]
+        k = prop.max_k
+        valid = torch.arange(k)[None] < num_draft[:, None]  # [B, K]
+        match = (prop.draft_ids.cpu() == target_ids[:, :k]) & valid
+        accepted = match.long().cumprod(dim=1).sum(dim=1).tolist()
+        ids = target_ids.tolist()
+        return accepted, [ids[b][: accepted[b] + 1] for b in range(len(accepted))]
 
     # ---- emission and stop conditions ---------------------------------------------------
     def _emit(self, r: _Running, new_ids: list[int]) -> StreamEvent:

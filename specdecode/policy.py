@@ -8,14 +8,17 @@ is reproducible and a request decodes the same alone or in a batch.
 - `FixedK`: always K.
 - `AdaptiveK`: estimates the request's per-token acceptance rate alpha (decayed counts) and
   picks the K in [0, K_max] that maximises the expected speed-up
-      E[tau](K) / (1 + K * (drafter cost per token + verify cost per extra token)),
-  with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (METHODS.md section 2). When acceptance is
-  poor it falls to K = 0 (plain decoding) and probes with K = 1 every `probe_every` steps so it
-  can recover when the text becomes predictable again.
+      E[tau](K) / (verify_cost[K] + K * draft_cost),
+  with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (METHODS.md section 2), verify_cost[K] the
+  cost of a target forward of K+1 tokens relative to one token (measured: `profile.py`), and
+  draft_cost the cost of one draft token relative to a target step. When acceptance is poor
+  it falls to K = 0 (plain decoding) and probes with K = 1 every `probe_every` steps so it can
+  recover when the text becomes predictable again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
@@ -28,6 +31,7 @@ class PolicyState:
     accepted: float = 1.0  # decayed count of accepted drafts (optimistic prior)
     tried: float = 1.5  # decayed count of drafts that were checked (up to the first rejection)
     steps_at_zero: int = 0
+    probe_every: int = 0  # current probing interval while at K = 0 (backs off after failed probes)
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -55,18 +59,30 @@ class AdaptiveK:
         self,
         k_max: int,
         draft_cost: float = 0.0,
-        verify_cost: float = 0.03,
+        verify_cost: float | Sequence[float] = 0.03,
         decay: float = 0.9,
         probe_every: int = 8,
     ):
+        """verify_cost: relative cost per extra verified token, or the measured curve
+        [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens."""
         if k_max < 0:
             raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
-        self.k_max, self.draft_cost, self.verify_cost = k_max, draft_cost, verify_cost
+        if isinstance(verify_cost, (int, float)):
+            self.verify_cost = [1.0 + verify_cost * k for k in range(k_max + 1)]
+        else:
+            self.verify_cost = [float(c) for c in verify_cost]
+            if len(self.verify_cost) < k_max + 1:
+                raise ValueError(
+                    f"verify_cost needs {k_max + 1} entries (n = 1..K+1), got {len(self.verify_cost)}"
+                )
+        self.k_max, self.draft_cost = k_max, draft_cost
         self.decay, self.probe_every = decay, probe_every
 
     def best_k(self, alpha: float) -> int:
-        per_token = self.draft_cost + self.verify_cost
-        speedups = [expected_tau(alpha, k) / (1.0 + k * per_token) for k in range(self.k_max + 1)]
+        speedups = [
+            expected_tau(alpha, k) / (self.verify_cost[k] + k * self.draft_cost)
+            for k in range(self.k_max + 1)
+        ]
         return max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
 
     def choose(self, states: list[PolicyState]) -> list[int]:
@@ -74,11 +90,15 @@ class AdaptiveK:
         for st in states:
             k = self.best_k(st.accepted / max(st.tried, 1e-6))
             if k == 0 and self.k_max > 0:
+                # Probe with one draft now and then; each probe that does not lift the estimate
+                # doubles the interval (up to 64 steps), so a hopeless request costs ~nothing.
+                st.probe_every = st.probe_every or self.probe_every
                 st.steps_at_zero += 1
-                if st.steps_at_zero % self.probe_every == 0:
-                    k = 1
+                if st.steps_at_zero >= st.probe_every:
+                    k, st.steps_at_zero = 1, 0
+                    st.probe_every = min(2 * st.probe_every, 64)
             else:
-                st.steps_at_zero = 0
+                st.steps_at_zero, st.probe_every = 0, 0
             ks.append(k)
         return ks
 
@@ -90,9 +110,9 @@ class AdaptiveK:
         state.tried = self.decay * state.tried + tried
 
 
-def make_policy(name: str, k: int, draft_cost: float = 0.0):
+def make_policy(name: str, k: int, draft_cost: float = 0.0, verify_cost: float | Sequence[float] = 0.03):
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
-        return AdaptiveK(k, draft_cost=draft_cost)
+        return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost)
     raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: fixed, adaptive")

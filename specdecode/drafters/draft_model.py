@@ -22,9 +22,17 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     deterministic = False
 
-    def __init__(self, drafter_model, vocab_size: int, target_vocab_rows: int, cost_per_token: float = 0.1):
+    def __init__(
+        self,
+        drafter_model,
+        vocab_size: int,
+        target_vocab_rows: int,
+        cost_per_token: float = 0.1,
+        fingerprint: str = "",
+    ):
         """drafter_model: a CausalLM; vocab_size: tokenizer size; target_vocab_rows: target head rows."""
         self.model = drafter_model
+        self.fingerprint = fingerprint
         self.vocab_size = vocab_size
         self.target_vocab_rows = target_vocab_rows
         self.cost_per_token = cost_per_token

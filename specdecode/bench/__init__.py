@@ -1,0 +1,1 @@
+"""Benchmarking: prompt categories, offline runs against the K = 0 baseline, peer runs, reports."""
