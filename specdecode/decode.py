@@ -167,7 +167,7 @@ class SpeculativeDecoder:
             chunk = prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)]
             ids = torch.tensor([chunk], dtype=torch.long, device=dev)  # [1, N]
             pos = torch.arange(start, start + len(chunk), device=dev)[None]  # [1, N]
-            self.model.forward(ids, pos, self.cache, torch.tensor([slot], device=dev))
+            self.model.forward(ids, pos, self.cache, [slot], logits=False)
             self.cache.commit(slot, len(chunk))
         self.drafter.start(slot, list(prompt))
         gen = torch.Generator().manual_seed(req.seed)

@@ -49,7 +49,7 @@ class ModelInfo:
 class ForwardOutput:
     """What one forward returns."""
 
-    logits: torch.Tensor  # [B, N, V] fp32
+    logits: torch.Tensor | None  # [B, N, V] fp32; None when forward(..., logits=False)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, N, d], model dtype
 
 

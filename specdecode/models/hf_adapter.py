@@ -132,6 +132,7 @@ class HFAdapter:
         num_new: torch.Tensor | Sequence[int] | None = None,  # [1]
         tree_mask: torch.Tensor | None = None,  # [1, N, N] bool
         capture: Sequence[int] = (),
+        logits: bool = True,  # accepted for interface parity; logits are always computed here
     ) -> ForwardOutput:
         B, N = input_ids.shape
         if B != 1 or host_list(slots) != [0]:
