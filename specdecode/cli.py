@@ -83,6 +83,30 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=96)
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
 
+    b = sub.add_parser("bench", help="benchmark methods side by side (report + plots)")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always included")
+    b.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="METHOD=MODEL",
+        help="drafter model per method, e.g. draft=qwen2.5-coder-0.5b (repeatable)",
+    )
+    b.add_argument("--datasets", default="all", help="categories (comma-separated), 'all', or FILE.jsonl")
+    b.add_argument("--limit", type=int, default=8, help="prompts per category")
+    b.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    b.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--peers", default="", help="comma-separated: hf, hf-assisted, hf-lookup")
+    b.add_argument("--num-draft-tokens", type=int, default=None)
+    b.add_argument("--policy", default="adaptive", choices=["fixed", "adaptive"])
+    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    b.add_argument("--device", default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", required=True, help="output directory (results.json, report.md, plots)")
+
     m = sub.add_parser("models", help="list or install the offline models and prompt sets")
     msub = m.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="list aliases and prompt sets")
@@ -191,6 +215,39 @@ def _cmd_demo(a) -> None:
         )
 
 
+def _cmd_bench(a) -> None:
+    from specdecode.bench.harness import BenchConfig, run_bench
+
+    drafters = {}
+    for spec in a.drafter:
+        method, sep, model = spec.partition("=")
+        if not sep or not method or not model:
+            raise SpecDecodeError(
+                f"--drafter takes METHOD=MODEL (e.g. draft=qwen2.5-coder-0.5b), got {spec!r}"
+            )
+        drafters[method] = model
+    cfg = BenchConfig(
+        target=a.target,
+        methods=[m for m in a.methods.split(",") if m],
+        drafters=drafters,
+        datasets=a.datasets,
+        limit=a.limit,
+        temperatures=a.temperature,
+        batch_sizes=a.batch_size,
+        max_new_tokens=a.max_new_tokens,
+        repeats=a.repeats,
+        peers=[p for p in a.peers.split(",") if p],
+        num_draft_tokens=a.num_draft_tokens,
+        policy=a.policy,
+        dtype=a.dtype,
+        device=a.device,
+        seed=a.seed,
+        out=a.out,
+    )
+    out = run_bench(cfg)
+    print((out / "report.md").read_text())
+
+
 def _cmd_models(a) -> None:
     from specdecode import assets
 
@@ -211,7 +268,9 @@ def _cmd_models(a) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
-        {"generate": _cmd_generate, "demo": _cmd_demo, "models": _cmd_models}[a.command](a)
+        {"generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench, "models": _cmd_models}[a.command](
+            a
+        )
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -57,15 +57,20 @@ class DraftModelDrafter(Drafter):
             start = self.cache.lengths[slot]
             positions[b] = torch.arange(start, start + n)
         num_new = torch.tensor(lens, dtype=torch.long)
+        # Only each row's last position needs logits: run the LM head on those states alone
+        # (the catch-up after a prompt can be hundreds of tokens).
         out = self.model.forward(
             input_ids.to(device),
             positions.to(device),
             self.cache,
-            torch.tensor(slots, dtype=torch.long, device=device),
-            num_new=num_new.to(device) if min(lens) != n else None,
+            slots,
+            num_new=lens if min(lens) != n else None,
+            capture=(-1,),
+            logits=False,
         )
-        last = (num_new - 1).to(out.logits.device)
-        return out.logits[torch.arange(len(tokens), device=out.logits.device), last]  # [B, V]
+        h = out.hidden[-1]  # [B, N, d] final normed states
+        last = (num_new - 1).to(h.device)
+        return self.model.lm_head(h[torch.arange(len(tokens), device=h.device), last])  # [B, V]
 
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         rows = [b for b, k in enumerate(num_draft) if k > 0]

@@ -1,0 +1,238 @@
+"""Turn `results.json` rows into `report.md` and PNG plots.
+
+Contract: `summarize(rows)` -> per (T, batch, method, category) medians of tokens/s, tau and
+speed-up over `ar` (the speed-up of a row is its tokens/s over `ar`'s for the same prompt,
+T, batch and repeat; a category's figure is the median, the overall one the geometric mean of
+the category medians). `write_report(out, cfg, meta, rows)` writes `report.md` with those
+tables, per-position conditional acceptance, draft/verify time shares and the hardware limit,
+plus `speedup_T*.png`, `acceptance_T*.png` and `time_share.png` (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{(T, B): {method: {category: {"tps", "tau", "speedup"}}}} plus "all" per method."""
+    ar = {
+        (r["prompt_id"], r["temperature"], r["batch"], r["repeat"]): r["tokens_per_s"]
+        for r in rows
+        if r["method"] == "ar"
+    }
+    groups: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in rows:
+        groups[(r["temperature"], r["batch"])][r["method"]][r["category"]].append(r)
+    out: dict = {}
+    for cfg, methods in groups.items():
+        out[cfg] = {}
+        for m, cats in methods.items():
+            out[cfg][m] = {}
+            for c, rs in cats.items():
+                sp = [
+                    r["tokens_per_s"] / ar[k]
+                    for r in rs
+                    if (k := (r["prompt_id"], r["temperature"], r["batch"], r["repeat"])) in ar and ar[k] > 0
+                ]
+                taus = [r["tau"] for r in rs if r.get("tau") is not None]
+                out[cfg][m][c] = {
+                    "tps": statistics.median(r["tokens_per_s"] for r in rs),
+                    "tau": statistics.median(taus) if taus else None,
+                    "speedup": statistics.median(sp) if sp else None,
+                    "n": len(rs),
+                }
+            out[cfg][m]["all"] = {
+                "speedup": _geomean([v["speedup"] for v in out[cfg][m].values() if v["speedup"]]),
+                "tps": statistics.median(r["tokens_per_s"] for rs in cats.values() for r in rs),
+            }
+    return out
+
+
+def acceptance_by_position(rows: list[dict], method: str, temperature: float) -> list[float]:
+    acc: list[int] = []
+    reach: list[int] = []
+    for r in rows:
+        if r["method"] != method or r["temperature"] != temperature or not r.get("reached_per_position"):
+            continue
+        for j, (a, n) in enumerate(zip(r["accepted_per_position"], r["reached_per_position"], strict=True)):
+            if j >= len(acc):
+                acc.append(0)
+                reach.append(0)
+            acc[j] += a
+            reach[j] += n
+    return [a / n if n else 0.0 for a, n in zip(acc, reach, strict=True)]
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
+    summ = summarize(rows)
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        f"# specdecode bench: {meta.get('target', cfg.target)} ({cfg.dtype})",
+        "",
+        f"Machine: {meta.get('cpu', '?')} (native bf16 GEMM: {meta.get('bf16_gemm', '?')}), "
+        f"{meta.get('threads')} threads; torch {meta.get('torch')}, transformers {meta.get('transformers')}, "
+        f"Python {meta.get('python')}.",
+        f"Settings: methods {', '.join(cfg.methods)}; peers {', '.join(cfg.peers) or 'none'}; datasets "
+        f"{cfg.datasets} (limit {cfg.limit}); max {cfg.max_new_tokens} new tokens; {cfg.repeats} repeat(s); "
+        f"draft-length policy {cfg.policy}. Decode time excludes prefill; warm-up runs excluded; figures are "
+        "medians over prompts (geometric mean over categories in the last column).",
+        "",
+        "## Hardware limit",
+        "",
+        f"Read bandwidth {meta['bandwidth_GBps']:.1f} GB/s, target weights {meta['weight_MB']:.0f} MB -> "
+        f"batch-1 ceiling {meta['ar_ceiling_tokens_per_s']:.1f} tokens/s.",
+        "",
+    ]
+    ceiling = meta["ar_ceiling_tokens_per_s"]
+    for (t, b), per in sorted(summ.items()):
+        lines += [
+            f"## T = {t}, batch {b}",
+            "",
+            "Speed-up over `ar` (tau in brackets); the last column gives tokens/s per request "
+            "as a multiple of the ceiling.",
+            "",
+            "| method | " + " | ".join(cats) + " | geo-mean | x ceiling |",
+            "|---" * (len(cats) + 3) + "|",
+        ]
+        for m in methods:
+            if m not in per:
+                continue
+            cells = []
+            for c in cats:
+                v = per[m].get(c)
+                if v is None:
+                    cells.append("-")
+                    continue
+                tau = f" ({v['tau']:.2f})" if v["tau"] is not None else ""
+                cells.append(f"{_fmt(v['speedup'], '.2f')}x{tau}")
+            allv = per[m]["all"]
+            lines.append(
+                f"| {m} | "
+                + " | ".join(cells)
+                + f" | {_fmt(allv['speedup'], '.2f')}x | {allv['tps'] / ceiling:.2f} |"
+            )
+        lines += ["", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+        for m in methods:
+            if m in per:
+                lines.append(
+                    f"| {m} tokens/s | "
+                    + " | ".join(_fmt(per[m].get(c, {}).get("tps"), ".1f") for c in cats)
+                    + " |"
+                )
+        lines.append("")
+    temps = sorted({r["temperature"] for r in rows})
+    spec_methods = [m for m in methods if m != "ar" and not m.startswith("hf")]
+    if spec_methods:
+        lines += [
+            "## Per-position conditional acceptance",
+            "",
+            "P(draft k accepted | drafts 1..k-1 accepted), pooled over all runs.",
+            "",
+            "| method | T | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |",
+            "|---" * 10 + "|",
+        ]
+        for m in spec_methods:
+            for t in temps:
+                acc = acceptance_by_position(rows, m, t)
+                lines.append(
+                    f"| {m} | {t} | "
+                    + " | ".join(f"{a:.2f}" for a in acc[:8])
+                    + " |" * max(1, 9 - min(len(acc), 8))
+                )
+        lines += [
+            "",
+            "## Where the time goes",
+            "",
+            "| method | draft share | verify share |",
+            "|---|---|---|",
+        ]
+        for m in methods:
+            rs = [r for r in rows if r["method"] == m and "draft_time_s" in r]
+            dec = sum(r["decode_time_s"] for r in rs)
+            if dec > 0:
+                lines.append(
+                    f"| {m} | {sum(r['draft_time_s'] for r in rs) / dec:.1%} | "
+                    f"{sum(r['verify_time_s'] for r in rs) / dec:.1%} |"
+                )
+        lines.append("")
+    lines += ["Plots: " + ", ".join(f"`{p.name}`" for p in _plots(out, summ, rows, cats, methods, temps)), ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (t, b), per in sorted(summ.items()):
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cats)), 3.5))
+        ms = [m for m in methods if m in per]
+        w = 0.8 / max(len(ms), 1)
+        for i, m in enumerate(ms):
+            ys = [per[m].get(c, {}).get("speedup") or 0 for c in cats]
+            ax.bar([j + i * w for j in range(len(cats))], ys, w, label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cats))], cats)
+        ax.set_ylabel("speed-up over ar")
+        ax.set_title(f"T = {t}, batch {b}")
+        ax.legend(fontsize=7)
+        p = out / f"speedup_T{t}_B{b}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    spec = [m for m in methods if m != "ar" and not m.startswith("hf")]
+    for t in temps:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for m in spec:
+            acc = acceptance_by_position(rows, m, t)
+            if acc:
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("conditional acceptance")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"T = {t}")
+        if spec:
+            ax.legend(fontsize=7)
+        p = out / f"acceptance_T{t}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ours = [m for m in methods if not m.startswith("hf")]
+    shares = []
+    for m in ours:
+        rs = [r for r in rows if r["method"] == m]
+        dec = sum(r["decode_time_s"] for r in rs) or 1.0
+        shares.append((sum(r["draft_time_s"] for r in rs) / dec, sum(r["verify_time_s"] for r in rs) / dec))
+    ax.bar(ours, [s[0] for s in shares], label="draft")
+    ax.bar(
+        ours,
+        [s[1] for s in shares],
+        bottom=[s[0] for s in shares],
+        label="verify (target forward + sampling)",
+    )
+    ax.set_ylabel("share of decode time")
+    ax.legend(fontsize=7)
+    p = out / "time_share.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
