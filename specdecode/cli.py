@@ -107,6 +107,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", required=True, help="output directory (results.json, report.md, plots)")
 
+    dp = sub.add_parser("data", help="training data for drafters")
+    dsub = dp.add_subparsers(dest="data_command", required=True)
+    db = dsub.add_parser("build", help="write a training prompt set disjoint from the benchmark prompts")
+    db.add_argument("--out", required=True, help="directory for train.jsonl, heldout.jsonl, stats.json")
+    db.add_argument("--num-prompts", type=int, default=4000)
+    db.add_argument("--heldout-fraction", type=float, default=0.05)
+    db.add_argument("--seed", type=int, default=0)
+    db.add_argument("--overwrite", action="store_true")
+
     m = sub.add_parser("models", help="list or install the offline models and prompt sets")
     msub = m.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="list aliases and prompt sets")
@@ -248,6 +257,24 @@ def _cmd_bench(a) -> None:
     print((out / "report.md").read_text())
 
 
+def _cmd_data(a) -> None:
+    import json as _json
+
+    from specdecode.training.prompts import write_prompt_set
+
+    out = write_prompt_set(
+        a.out,
+        num_prompts=a.num_prompts,
+        heldout_fraction=a.heldout_fraction,
+        seed=a.seed,
+        overwrite=a.overwrite,
+    )
+    stats = _json.loads((out / "stats.json").read_text())
+    print(
+        f"wrote {out}: {stats.get('num_train', '?')} train / {stats.get('num_heldout', '?')} held-out prompts"
+    )
+
+
 def _cmd_models(a) -> None:
     from specdecode import assets
 
@@ -268,9 +295,13 @@ def _cmd_models(a) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
-        {"generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench, "models": _cmd_models}[a.command](
-            a
-        )
+        {
+            "generate": _cmd_generate,
+            "demo": _cmd_demo,
+            "bench": _cmd_bench,
+            "data": _cmd_data,
+            "models": _cmd_models,
+        }[a.command](a)
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -132,3 +132,13 @@ def test_drafter_with_other_tokenizer_is_refused(capsys, tiny_llama_dir, other_t
 def test_models_list(capsys):
     code, out, _ = _run(capsys, "models", "list")
     assert code == 0 and "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out and "mt-bench" in out
+
+
+def test_data_build_writes_a_disjoint_prompt_set(capsys, tmp_path):
+    code, out, err = _run(capsys, "data", "build", "--out", str(tmp_path / "d"), "--num-prompts", "200")
+    assert code == 0, err
+    lines = (tmp_path / "d" / "train.jsonl").read_text().splitlines()
+    held = (tmp_path / "d" / "heldout.jsonl").read_text().splitlines()
+    assert len(lines) + len(held) == 200 and "train" in out
+    code, _, err = _run(capsys, "data", "build", "--out", str(tmp_path / "d"), "--num-prompts", "300")
+    assert code == 2 and "overwrite" in err
