@@ -12,8 +12,9 @@ is reproducible and a request decodes the same alone or in a batch.
   with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (METHODS.md section 2), verify_cost[K] the
   cost of a target forward of K+1 tokens relative to one token (measured: `profile.py`), and
   draft_cost the cost of one draft token relative to a target step. When acceptance is poor
-  it falls to K = 0 (plain decoding) and probes with K = 1 every `probe_every` steps so it can
-  recover when the text becomes predictable again.
+  it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
+  recover when the text becomes predictable again. Where the measured costs say that even
+  perfect acceptance would not pay, it never drafts.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class FixedK:
 
 
 class AdaptiveK:
+    MIN_GAIN = 0.05  # drafting must promise at least a 5 % speed-up at perfect acceptance
+
     def __init__(
         self,
         k_max: int,
@@ -77,6 +80,10 @@ class AdaptiveK:
                 )
         self.k_max, self.draft_cost = k_max, draft_cost
         self.decay, self.probe_every = decay, probe_every
+        # If even perfect acceptance cannot pay for drafting on this machine, never draft (and
+        # never probe): speculation is then exactly plain decoding plus nothing.
+        best_case = max((k + 1) / (self.verify_cost[k] + k * draft_cost) for k in range(k_max + 1))
+        self.enabled = best_case > 1.0 + self.MIN_GAIN
 
     def best_k(self, alpha: float) -> int:
         speedups = [
@@ -86,6 +93,8 @@ class AdaptiveK:
         return max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
 
     def choose(self, states: list[PolicyState]) -> list[int]:
+        if not self.enabled:
+            return [0] * len(states)
         ks = []
         for st in states:
             k = self.best_k(st.accepted / max(st.tried, 1e-6))

@@ -37,3 +37,15 @@ def test_adaptive_keeps_k_high_when_drafts_are_accepted():
 def test_make_policy_rejects_unknown():
     with pytest.raises(SpecDecodeError, match="fixed, adaptive"):
         make_policy("sometimes", 3)
+
+
+def test_adaptive_never_drafts_when_even_perfect_acceptance_cannot_pay():
+    # An AVX2-like cost curve: verifying k+1 tokens costs ~k+1 steps, and drafting is not free.
+    pol = AdaptiveK(k_max=4, draft_cost=0.35, verify_cost=[1.0, 1.7, 2.33, 2.9, 3.4])
+    assert not pol.enabled
+    st = PolicyState()
+    for _ in range(20):
+        pol.observe(st, num_draft=4, num_accepted=4)
+    assert all(pol.choose([st]) == [0] for _ in range(100))
+    # The same drafter with nearly free verification (AMX / GPU) drafts.
+    assert AdaptiveK(k_max=4, draft_cost=0.35, verify_cost=[1.0, 1.05, 1.1, 1.15, 1.2]).enabled
