@@ -158,9 +158,9 @@ def main() -> None:
                 )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(report(a, rows, list(runners)))
-    print(out.with_suffix(".md").read_text())
+    Path(f"{out}.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    Path(f"{out}.md").write_text(report(a, rows, list(runners)))
+    print(Path(f"{out}.md").read_text())
 
 
 def _cpu_name() -> str:
@@ -188,7 +188,7 @@ def report(a, rows: list[dict], names: list[str]) -> str:
         "",
         f"Command: `python benchmarks/bench_foundation.py {' '.join(sys.argv[1:])}`",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"Libraries: torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}, Python {platform.python_version()}.",
         "",
         "| method | dataset | decode tok/s | end-to-end tok/s | tau | speed-up vs ar | same tokens as ar |",
