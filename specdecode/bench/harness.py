@@ -226,10 +226,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                 sd.decoder.generate([GenerationRequest(group[0][1], params, 8, id="warm")])
             warmed.add((t, b))
         for m, sd in sds.items():
-            bar.update(1)
             keys = [(m, it["id"], t, b, rep) for it, _ in group]
+            bar.update(1)  # counted when taken up, so a resumed run shows its true progress
             if all(k in done for k in keys):
                 continue
+            bar.set_postfix_str(f"{m} T={t} B={b} {group[0][0]['id']}")
             reqs = [
                 GenerationRequest(
                     ids, params, cfg.max_new_tokens, seed=derive_seed(cfg.seed + rep, j), id=it["id"]
