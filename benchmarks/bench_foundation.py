@@ -20,13 +20,13 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import specdecode
 from specdecode.assets import load_prompt_set
+from specdecode.bench.harness import TransformersPeer
 from specdecode.models.loader import load_model
 
 
@@ -45,37 +45,15 @@ def prompts_for(name: str, limit: int) -> list[dict]:
     raise SystemExit(f"unknown dataset {name!r}; choose mt-bench or humaneval")
 
 
-class HFPeer:
-    """transformers generate: plain, assisted (draft model), or prompt lookup."""
-
-    def __init__(self, kind: str, target_dir, drafter_dir, dtype):
-        from transformers import AutoModelForCausalLM
-
-        self.kind = kind
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
-        self.assistant = None
-        if kind == "hf-assisted":
-            self.assistant = AutoModelForCausalLM.from_pretrained(str(drafter_dir), dtype=dtype).eval()
-
-    @torch.inference_mode()
-    def run(self, ids: list[int], max_new: int) -> dict:
-        x = torch.tensor([ids])
-        kw = dict(max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(x))
-        if self.kind == "hf-assisted":
-            kw["assistant_model"] = self.assistant
-        if self.kind == "hf-lookup":
-            kw["prompt_lookup_num_tokens"] = 10
-        # Time to the first token (prefill + one step), timed separately, so that decode time
-        # excludes prefill as it does for our loop.
-        t0 = time.perf_counter()
-        self.model.generate(x, **{**kw, "max_new_tokens": 1})
-        t_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = self.model.generate(x, **kw)
-        dt = time.perf_counter() - t0
-        new = out[0, len(ids) :].tolist()
-        decode = max(dt - t_first, 1e-9) * len(new) / max(len(new) - 1, 1)
-        return {"tokens": new, "n": len(new), "time": dt, "decode": decode, "tau": None}
+def _peer_row(r: dict) -> dict:
+    n = r["num_new_tokens"]
+    return {
+        "tokens": r["token_ids"],
+        "n": n,
+        "time": r["prefill_time_s"] + r["decode_time_s"] * (n - 1) / max(n, 1),
+        "decode": r["decode_time_s"],
+        "tau": None,
+    }
 
 
 def run_ours(sd, ids: list[int], max_new: int) -> dict:
@@ -114,9 +92,9 @@ def main() -> None:
         for m in methods
     }
     drafter_dir = load_model(a.drafter, dtype=a.dtype).path if "hf-assisted" in peers else None
-    hf = {p: HFPeer(p, target.path, drafter_dir, dtype) for p in peers}
+    hf = {p: TransformersPeer(p, target.path, drafter_dir, dtype) for p in peers}
     runners = {m: (lambda ids, n, sd=sd: run_ours(sd, ids, n)) for m, sd in ours.items()}
-    runners.update({p: (lambda ids, n, peer=peer: peer.run(ids, n)) for p, peer in hf.items()})
+    runners.update({p: (lambda ids, n, peer=peer: _peer_row(peer.run(ids, n))) for p, peer in hf.items()})
 
     tok = target.tokenizer
     rows = []

@@ -100,12 +100,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-class _Peer:
-    """transformers generate, batch 1, same dtype, same process."""
+class TransformersPeer:
+    """transformers `generate` (plain, assisted with a draft model, or prompt lookup), batch 1,
+    same dtype and process as our runs. Decode time excludes prefill: the time to the first
+    token is measured by a separate 1-token generate and subtracted."""
 
-    def __init__(self, kind: str, target_path, drafter_path, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, kind: str, target_path, drafter_path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ):
         from transformers import AutoModelForCausalLM
 
+        if kind not in PEERS:
+            raise SpecDecodeError(f"unknown peer {kind!r}; choose from: {', '.join(PEERS)}")
         self.kind = kind
         self.model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device).eval()
         self.assistant = None
@@ -115,7 +121,7 @@ class _Peer:
             )
 
     @torch.inference_mode()
-    def run(self, ids: list[int], max_new: int, temperature: float, seed: int) -> dict:
+    def run(self, ids: list[int], max_new: int, temperature: float = 0.0, seed: int = 0) -> dict:
         x = torch.tensor([ids], device=self.model.device)
         kw = dict(max_new_tokens=max_new, do_sample=temperature > 0, attention_mask=torch.ones_like(x))
         if temperature > 0:
@@ -132,9 +138,11 @@ class _Peer:
         t0 = time.perf_counter()
         out = self.model.generate(x, **kw)
         total = time.perf_counter() - t0
-        n = out.shape[1] - len(ids)
+        new = out[0, len(ids) :].tolist()
+        n = len(new)
         decode = max(total - t_first, 1e-9) * n / max(n - 1, 1)
         return {
+            "token_ids": new,
             "num_new_tokens": n,
             "decode_time_s": decode,
             "prefill_time_s": t_first,
@@ -201,7 +209,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         drafter_path = (
             load_model(cfg.drafters["draft"], dtype=cfg.dtype).path if "draft" in cfg.drafters else None
         )
-        peers = {p: _Peer(p, target.path, drafter_path, target.model.info.dtype, dev) for p in cfg.peers}
+        peers = {
+            p: TransformersPeer(p, target.path, drafter_path, target.model.info.dtype, dev) for p in cfg.peers
+        }
     tok = target.tokenizer
     encoded = [
         (it, tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True)["input_ids"])
@@ -274,6 +284,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
             if (p, it["id"], t, b, rep) in done:
                 continue
             r = peer.run(ids, cfg.max_new_tokens, t, derive_seed(cfg.seed + rep, 0))
+            r.pop("token_ids")
             rows.append(
                 {
                     "method": p,

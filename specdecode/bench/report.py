@@ -172,6 +172,15 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
     import matplotlib
 
@@ -191,11 +200,7 @@ def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
         ax.set_ylabel("speed-up over ar")
         ax.set_title(f"T = {t}, batch {b}")
         ax.legend(fontsize=7)
-        p = out / f"speedup_T{t}_B{b}.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"speedup_T{t}_B{b}.png"))
     spec = [m for m in methods if m != "ar" and not m.startswith("hf")]
     for t in temps:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -209,11 +214,7 @@ def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
         ax.set_title(f"T = {t}")
         if spec:
             ax.legend(fontsize=7)
-        p = out / f"acceptance_T{t}.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"acceptance_T{t}.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ours = [m for m in methods if not m.startswith("hf")]
     shares = []
@@ -230,9 +231,5 @@ def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
     )
     ax.set_ylabel("share of decode time")
     ax.legend(fontsize=7)
-    p = out / "time_share.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "time_share.png"))
     return paths

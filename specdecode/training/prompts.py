@@ -221,7 +221,7 @@ def _trim(text: str) -> str:
 @functools.cache
 def _stdlib_api() -> tuple[tuple[str, str, object], ...]:
     """(kind, dotted name, object): public functions, classes and their methods with a docstring
-    of their own, defined in the module or its submodules (not re-exported from elsewhere), in
+    of their own, defined in the module itself (not re-exported, not from submodules), in
     module-list then name order; each object once, under the first module that offers it."""
     seen, out = set(), []
     with warnings.catch_warnings():  # some public names are deprecated aliases
@@ -235,12 +235,20 @@ def _stdlib_api() -> tuple[tuple[str, str, object], ...]:
                 if not (is_func or inspect.isclass(obj)) or id(obj) in seen or not obj.__doc__:
                     continue
                 home, where = module.__name__.lstrip("_"), str(getattr(obj, "__module__", "")).lstrip("_")
-                if where != home and not where.startswith(home + "."):  # defined here or in a submodule
+                # Defined in this very module: objects of submodules show up in vars(module) only
+                # once something imports that submodule, which would make the set depend on
+                # what the process happened to import before.
+                if where != home:
                     continue
                 seen.add(id(obj))
                 out.append(("function" if is_func else "class", f"{mod_name}.{name}", obj))
                 for m_name, member in sorted(vars(obj).items()) if not is_func else ():
                     if m_name.startswith("_") or id(member) in seen:
+                        continue
+                    # Methods other libraries patch onto stdlib classes (transformers adds
+                    # logging.Logger.warning_once) are not the stdlib's: skip them.
+                    patched = str(getattr(member, "__module__", None) or where).lstrip("_") != where
+                    if patched:
                         continue
                     if inspect.ismethoddescriptor(member) or inspect.isfunction(member):
                         if isinstance(getattr(member, "__doc__", None), str):

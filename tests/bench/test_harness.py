@@ -117,3 +117,16 @@ def test_bad_bench_input(capsys, tmp_path, tiny_llama_dir, args, match):
     code = main(["bench", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "o"), *args])
     err = capsys.readouterr().err
     assert code == 2 and match in err and "Traceback" not in err
+
+
+def test_transformers_peer_rows(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench"
+    cfg = _cfg(
+        tiny_llama_dir, out, datasets="chat", limit=1, temperatures=[0.0], batch_sizes=[1], peers=["hf"]
+    )
+    run_bench(cfg, progress=False)
+    rows = json.loads((out / "results.json").read_text())["runs"]
+    hf = [r for r in rows if r["method"] == "hf"]
+    assert len(hf) == 1 and hf[0]["num_new_tokens"] >= 1 and hf[0]["tokens_per_s"] > 0
+    assert "| hf |" in (out / "report.md").read_text()
