@@ -29,7 +29,8 @@ from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK, PolicyState
 from specdecode.sampling import process_logits_batch
-from specdecode.verify import verify_chain, verify_chain_match
+from specdecode.tree import DraftTree, tree_attention_mask, tree_depths
+from specdecode.verify import verify_chain, verify_chain_match, verify_tree
 
 PREFILL_CHUNK = 512
 VERIFY_MODES = ("rejection", "match")
@@ -195,16 +196,20 @@ class SpeculativeDecoder:
         # 2. One target forward over [last token, drafts...] per request.
         out, num_draft = self._verify_forward(running, prop)
         # 3. Verification (lossless), then commit the kept rows.
-        accepted, emitted = self._verify(running, prop, out.logits, num_draft)
-        for r, n_acc in zip(running, accepted, strict=True):
-            self.cache.commit(r.slot, n_acc + 1)
+        if prop.parents is None:
+            accepted, emitted = self._verify(running, prop, out.logits, num_draft)
+            for r, n_acc in zip(running, accepted, strict=True):
+                self.cache.commit(r.slot, n_acc + 1)
+        else:
+            accepted, emitted = self._verify_tree(running, prop, out.logits, num_draft)
         self.drafter.advance(rows, prop, accepted, out)
         t2 = time.perf_counter()
         self.draft_time += t1 - t0
         self.verify_time += t2 - t1
         # 4. Statistics for the policy and the report.
+        depths = num_draft if prop.parents is None else self._tree_depths(prop, num_draft)
         for b, r in enumerate(running):
-            n, n_acc = int(num_draft[b]), accepted[b]
+            n, n_acc = int(depths[b]), accepted[b]
             self.policy.observe(r.policy_state, n, n_acc)
             r.num_steps += 1
             r.num_emitted += n_acc + 1
@@ -224,17 +229,51 @@ class SpeculativeDecoder:
         input_ids[:, 0] = torch.tensor([r.token_ids[-1] for r in running])
         input_ids[:, 1:] = prop.draft_ids.cpu()
         lengths = torch.tensor([self.cache.lengths[r.slot] for r in running])  # [B]
-        positions = lengths[:, None] + torch.arange(k + 1)[None]  # [B, K+1]
+        tree_mask = None
+        if prop.parents is None:
+            positions = lengths[:, None] + torch.arange(k + 1)[None]  # [B, K+1]
+        else:  # each node sees its ancestors; its position is the committed length + its depth
+            tree_mask = torch.eye(k + 1, dtype=torch.bool).repeat(len(running), 1, 1)  # [B, K+1, K+1]
+            positions = lengths[:, None].repeat(1, k + 1)  # [B, K+1]
+            for b in range(len(running)):
+                n = int(num_draft[b])
+                par = prop.parents[b, :n].cpu()
+                tree_mask[b, : n + 1, : n + 1] = tree_attention_mask(par)
+                positions[b, : n + 1] += tree_depths(par)
         ragged = bool((num_draft != k).any())
         out = self.model.forward(
             input_ids.to(dev),
             positions.to(dev),
             self.cache,
-            torch.tensor([r.slot for r in running], device=dev),
-            num_new=(num_draft + 1).to(dev) if ragged else None,
+            [r.slot for r in running],
+            num_new=(num_draft + 1).tolist() if ragged else None,
+            tree_mask=None if tree_mask is None else tree_mask.to(dev),
             capture=self.drafter.needs_hidden,
         )
         return out, num_draft
+
+    def _tree_depths(self, prop: Proposal, num_draft: torch.Tensor) -> list[int]:
+        return [int(tree_depths(prop.parents[b, : int(n)].cpu()).max()) for b, n in enumerate(num_draft)]
+
+    def _verify_tree(
+        self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor
+    ):
+        """Per request: recursive rejection over siblings, then commit the accepted path's rows."""
+        params = [r.req.params for r in running]
+        target_probs = process_logits_batch(logits, params, self.vocab_size)  # [B, K+1, V]
+        accepted, emitted, prop.accepted_nodes = [], [], []
+        for b, r in enumerate(running):
+            n = int(num_draft[b])
+            tree = DraftTree(tokens=prop.draft_ids[b, :n].cpu(), parents=prop.parents[b, :n].cpu())
+            q = None if prop.draft_probs is None else prop.draft_probs[b, :n].to(target_probs.device)
+            u = torch.rand(n + 1, generator=r.generator)  # exactly n + 1 uniforms per request
+            v = verify_tree(tree, target_probs[b, : n + 1], q, u.to(target_probs.device), iid=prop.tree_iid)
+            kept = v.kept_rows.tolist()
+            self.cache.commit(r.slot, len(kept), kept_rows=kept)
+            accepted.append(v.num_accepted)
+            emitted.append(v.emitted_ids.tolist())
+            prop.accepted_nodes.append(v.accepted_nodes.tolist())
+        return accepted, emitted
 
     def _verify(self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor):
         b_sz, k = len(running), prop.max_k

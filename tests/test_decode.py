@@ -3,11 +3,13 @@
 import collections
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.base import Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.models.loader import load_model
@@ -193,3 +195,53 @@ def test_smollm2_greedy_equivalence(smollm2_dir, method):
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
     if method == "draft-self":
         assert all(s.tau > 3 for s in spec)
+
+
+class SiblingTreeDrafter(DraftModelDrafter):
+    """A tree: at every depth a wrong sibling (token + 1) is tried first, then the drafter's own
+    chain token, which continues the path. Deterministic siblings (point masses)."""
+
+    def propose(self, batch, num_draft):
+        prop = super().propose(batch, num_draft)
+        k = prop.max_k
+        chain = prop.draft_ids  # [B, K]
+        ids = torch.zeros(len(batch), 2 * k, dtype=torch.long)
+        parents = torch.zeros(len(batch), 2 * k, dtype=torch.long)
+        for j in range(k):  # node 2j: wrong sibling, node 2j+1: chain token; both children of chain j-1
+            parent = 2 * j - 1 if j > 0 else -1
+            ids[:, 2 * j] = (chain[:, j] + 1) % self.vocab_size
+            ids[:, 2 * j + 1] = chain[:, j]
+            parents[:, 2 * j] = parents[:, 2 * j + 1] = parent
+        prop.extras["chain_len"] = prop.num_draft.clone()
+        return Proposal(
+            draft_ids=ids, num_draft=2 * prop.num_draft, parents=parents, tree_iid=False, extras=prop.extras
+        )
+
+    def advance(self, batch, proposal, num_accepted, target_out):
+        if proposal.parents is None:  # a step without drafts
+            return super().advance(batch, proposal, num_accepted, target_out)
+        # Drafts the drafter fed itself are only valid along the chain (odd node indices).
+        chain_acc = []
+        for nodes in proposal.accepted_nodes:
+            run = 0
+            for node in nodes:
+                if node % 2 == 0:
+                    break
+                run += 1
+            chain_acc.append(run)
+        chain = Proposal(draft_ids=proposal.draft_ids[:, 1::2], num_draft=proposal.extras["chain_len"])
+        super().advance(batch, chain, chain_acc, target_out)
+
+
+def test_tree_proposals_are_exact_and_accept_along_the_tree(tiny):
+    prompts = _prompts(tiny.tokenizer)
+    base = _decode(tiny, ARDrafter(), 0, prompts)
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    spec = _decode(tiny, SiblingTreeDrafter(tiny.model, v, rows), 3, prompts)
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    assert all(s.tau > 3 for s in spec)  # every chain node accepted after its wrong sibling
+    # Sampled decoding through trees runs and stays within the request's own random stream.
+    params = SamplingParams(temperature=1.0)
+    a = _decode(tiny, SiblingTreeDrafter(tiny.model, v, rows), 3, prompts, params=params)
+    b = _decode(tiny, SiblingTreeDrafter(tiny.model, v, rows), 3, prompts, params=params, max_batch=1)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]

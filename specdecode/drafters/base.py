@@ -38,7 +38,13 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, K] long, rows right-padded with 0 beyond num_draft
     num_draft: torch.Tensor  # [B] long (host)
     draft_probs: torch.Tensor | None = None  # [B, K, V] fp32 processed q; None = point mass
+    # A tree instead of a chain: node k's parent (-1 = the last committed token), parents before
+    # children; with draft_probs, row k holds the q node k was drawn from (q at its parent).
+    parents: torch.Tensor | None = None  # [B, K] long
+    tree_iid: bool = False  # True: siblings drawn i.i.d. from q; False: chosen deterministically
     extras: dict = field(default_factory=dict)  # drafter-private data carried to advance()
+    # Set by the loop after verification for tree proposals: accepted node indices per row.
+    accepted_nodes: list[list[int]] | None = None
 
     @property
     def max_k(self) -> int:
