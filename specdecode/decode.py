@@ -194,7 +194,7 @@ class SpeculativeDecoder:
         prop = self.drafter.propose(rows, ks) if any(ks) else empty_proposal(len(rows))
         t1 = time.perf_counter()
         # 2. One target forward over [last token, drafts...] per request.
-        out, num_draft = self._verify_forward(running, prop)
+        out, num_draft, depths = self._verify_forward(running, prop)
         # 3. Verification (lossless), then commit the kept rows.
         if prop.parents is None:
             accepted, emitted = self._verify(running, prop, out.logits, num_draft)
@@ -206,8 +206,7 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         self.draft_time += t1 - t0
         self.verify_time += t2 - t1
-        # 4. Statistics for the policy and the report.
-        depths = num_draft if prop.parents is None else self._tree_depths(prop, num_draft)
+        # 4. Statistics for the policy and the report (per depth: a chain's depth is its length).
         for b, r in enumerate(running):
             n, n_acc = int(depths[b]), accepted[b]
             self.policy.observe(r.policy_state, n, n_acc)
@@ -229,7 +228,7 @@ class SpeculativeDecoder:
         input_ids[:, 0] = torch.tensor([r.token_ids[-1] for r in running])
         input_ids[:, 1:] = prop.draft_ids.cpu()
         lengths = torch.tensor([self.cache.lengths[r.slot] for r in running])  # [B]
-        tree_mask = None
+        tree_mask, depths = None, num_draft.tolist()
         if prop.parents is None:
             positions = lengths[:, None] + torch.arange(k + 1)[None]  # [B, K+1]
         else:  # each node sees its ancestors; its position is the committed length + its depth
@@ -239,7 +238,9 @@ class SpeculativeDecoder:
                 n = int(num_draft[b])
                 par = prop.parents[b, :n].cpu()
                 tree_mask[b, : n + 1, : n + 1] = tree_attention_mask(par)
-                positions[b, : n + 1] += tree_depths(par)
+                node_depths = tree_depths(par)  # [n+1]
+                positions[b, : n + 1] += node_depths
+                depths[b] = int(node_depths.max())
         ragged = bool((num_draft != k).any())
         out = self.model.forward(
             input_ids.to(dev),
@@ -250,10 +251,7 @@ class SpeculativeDecoder:
             tree_mask=None if tree_mask is None else tree_mask.to(dev),
             capture=self.drafter.needs_hidden,
         )
-        return out, num_draft
-
-    def _tree_depths(self, prop: Proposal, num_draft: torch.Tensor) -> list[int]:
-        return [int(tree_depths(prop.parents[b, : int(n)].cpu()).max()) for b, n in enumerate(num_draft)]
+        return out, num_draft, depths
 
     def _verify_tree(
         self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor

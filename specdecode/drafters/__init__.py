@@ -20,11 +20,6 @@ DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 __all__ = ["METHODS", "DraftRow", "Drafter", "Proposal", "build_drafter"]
 
 
-def _num_params(model) -> int:
-    params = getattr(model, "parameters", None)
-    return sum(p.numel() for p in params()) if params else 0
-
-
 def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="bf16", device=None) -> Drafter:
     if method not in METHODS:
         raise SpecDecodeError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
@@ -49,8 +44,8 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
             f"drafter {spec!r} uses a different tokenizer than target {target.name!r}; "
             "a draft model must share the target's tokenizer (same vocabulary and special tokens)"
         )
-    n_t, n_d = _num_params(target.model), _num_params(small.model)
-    cost = n_d / n_t if n_t else 0.1
+    # cost_per_token is measured by the adaptive policy's profile (api.load), keyed by this
+    # fingerprint; FixedK ignores it.
     return DraftModelDrafter(
-        small.model, target.vocab_size, target.model.info.vocab_size, cost_per_token=cost
+        small.model, target.vocab_size, target.model.info.vocab_size, fingerprint=small.fingerprint
     )
