@@ -164,13 +164,18 @@ class SpeculativeDecoder:
         self.cache.reset(slot)
         prompt = req.prompt_ids
         dev = self.model.info.device
+        capture = self.drafter.needs_hidden
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i in capture}
         for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
             chunk = prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)]
             ids = torch.tensor([chunk], dtype=torch.long, device=dev)  # [1, N]
             pos = torch.arange(start, start + len(chunk), device=dev)[None]  # [1, N]
-            self.model.forward(ids, pos, self.cache, [slot], logits=False)
+            out = self.model.forward(ids, pos, self.cache, [slot], logits=False, capture=capture)
             self.cache.commit(slot, len(chunk))
-        self.drafter.start(slot, list(prompt))
+            for i in capture:
+                parts[i].append(out.hidden[i][0])  # [N, d]
+        hidden = {i: torch.cat(p) if p else None for i, p in parts.items()}  # layer -> [P-1, d]
+        self.drafter.start(slot, list(prompt), hidden)
         gen = torch.Generator().manual_seed(req.seed)
         run = _Running(req, slot, gen, list(prompt), prefill_time=time.perf_counter() - t0)
         run.t_start = time.perf_counter()

@@ -2,7 +2,9 @@
 
 Contract:
 - The decoding loop owns requests, the target and its cache; a drafter only proposes.
-- `start(slot, prompt_ids)` is called when a request enters a slot, `stop(slot)` when it leaves.
+- `start(slot, prompt_ids, hidden)` is called when a request enters a slot, `stop(slot)` when it
+  leaves. `hidden` maps each `needs_hidden` layer to the target's states for every prompt token
+  but the last (`[P-1, d]`; that last token opens the first verify block), else it is empty.
 - `propose(batch, num_draft)` returns a `Proposal` for the requests in `batch` (one row each, in
   order). `num_draft[b]` is an upper bound: a drafter may propose fewer (n-gram with no match).
   `draft_probs` is the *processed* distribution each draft token was sampled from (same
@@ -70,7 +72,7 @@ class Drafter:
     def setup(self, num_slots: int, max_len: int) -> None:
         """Called by the loop before requests arrive: size per-slot state."""
 
-    def start(self, slot: int, prompt_ids: list[int]) -> None:
+    def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
         pass
 
     def stop(self, slot: int) -> None:

@@ -42,7 +42,7 @@ class DraftModelDrafter(Drafter):
     def setup(self, num_slots: int, max_len: int) -> None:
         self.cache = self.model.new_cache(num_slots, max_len)
 
-    def start(self, slot: int, prompt_ids: list[int]) -> None:
+    def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
         self.cache.reset(slot)
 
     def _forward(self, tokens: list[list[int]], slots: list[int]) -> torch.Tensor:
