@@ -86,6 +86,8 @@ class CausalLM(Protocol):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [.., d] -> [.., V] fp32
 
+    def lm_head_weight(self) -> torch.Tensor: ...  # [V, d] output head (the embedding when tied)
+
 
 def host_list(x: torch.Tensor | Sequence[int] | int | None, n: int | None = None) -> list[int] | None:
     """Scheduling metadata (slots, num_new, kept rows) as Python ints.

@@ -119,6 +119,10 @@ class HFAdapter:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, d] the output head."""
+        return self.model.get_output_embeddings().weight
+
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden).float()
 

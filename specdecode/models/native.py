@@ -291,9 +291,13 @@ class NativeDecoder(nn.Module):
         """[..] token ids -> [.., d] embeddings (model dtype)."""
         return F.embedding(input_ids, self.embed_tokens)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, d] the output head (the embedding when tied)."""
+        return self.embed_tokens if self.head is None else self.head
+
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., d] final normed states -> [.., V] fp32 logits."""
-        w = self.embed_tokens if self.head is None else self.head  # [V, d]
+        w = self.lm_head_weight()  # [V, d]
         if self._upcast_rows is not None and hidden.numel() >= self._upcast_rows * hidden.shape[-1]:
             return F.linear(hidden.float(), w.float())
         return F.linear(hidden, w).float()

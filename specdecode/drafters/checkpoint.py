@@ -1,0 +1,126 @@
+"""Drafter checkpoints: a directory with `config.json` and `model.safetensors`.
+
+Contract:
+- `save_checkpoint(out_dir, method, arch, state_dict, target, training=None, dtype=bf16)` writes
+  config.json = {"format": 1, "method", "arch": {architecture fields}, "target": {"name",
+  "fingerprint", "hidden_size", "num_layers", "vocab_size"}, "training": {...}} and the weights
+  (temp files, then rename, config.json last), so a killed save never leaves a loadable half.
+- `load_checkpoint(path, method, target)` -> (arch dict, state dict). It refuses, with the reason
+  and what to do: a missing directory or file, another method's checkpoint, and a checkpoint
+  trained for another target (fingerprint = target config + tokenizer hash).
+- `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
+  that target and method, or None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+FORMAT = 1
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "data" / "drafters"
+
+
+def _target_meta(target) -> dict:
+    info = target.model.info
+    return {
+        "name": target.name,
+        "fingerprint": target.fingerprint,
+        "hidden_size": info.hidden_size,
+        "num_layers": info.num_layers,
+        "vocab_size": info.vocab_size,
+    }
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    method: str,
+    arch: dict,
+    state_dict: dict[str, torch.Tensor],
+    target,  # LoadedModel
+    training: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
+        for k, v in state_dict.items()
+    }
+    cfg = {
+        "format": FORMAT,
+        "method": method,
+        "arch": arch,
+        "target": _target_meta(target),
+        "training": training or {},
+    }
+    (out / CONFIG).unlink(missing_ok=True)  # loadable only once both files are complete
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    (out / (CONFIG + ".tmp")).write_text(json.dumps(cfg, indent=2))
+    os.replace(out / (CONFIG + ".tmp"), out / CONFIG)
+    return out
+
+
+def read_config(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_dir():
+        raise SpecDecodeError(
+            f"drafter checkpoint {str(p)!r} is not a directory; give the directory "
+            f"written by `specdecode train` (it holds {CONFIG} and {WEIGHTS})"
+        )
+    if not (p / CONFIG).is_file():
+        raise SpecDecodeError(f"{p} has no {CONFIG}: not a drafter checkpoint (or an interrupted save)")
+    try:
+        cfg = json.loads((p / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise SpecDecodeError(f"{p / CONFIG} is not valid JSON ({e.msg})") from None
+    if cfg.get("format") != FORMAT or "method" not in cfg or "target" not in cfg:
+        raise SpecDecodeError(f"{p / CONFIG} is not a specdecode drafter config (format {FORMAT})")
+    return cfg
+
+
+def check_target(cfg: dict, target, where: str) -> None:
+    want = cfg["target"].get("fingerprint")
+    if want != target.fingerprint:
+        raise SpecDecodeError(
+            f"drafter {where} was trained for target {cfg['target'].get('name')!r} "
+            f"(fingerprint {want}), not for {target.name!r} (fingerprint {target.fingerprint}); "
+            "a drafter only works with the target it was trained on: train one for this target "
+            "with `specdecode train`"
+        )
+
+
+def load_checkpoint(path: str | Path, method: str, target) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = read_config(path)
+    if cfg["method"] != method:
+        raise SpecDecodeError(
+            f"{path} holds a {cfg['method']!r} drafter, not {method!r}; use --method {cfg['method']}"
+        )
+    check_target(cfg, target, str(path))
+    weights = Path(path) / WEIGHTS
+    if not weights.is_file():
+        raise SpecDecodeError(f"{path} has no {WEIGHTS}")
+    return cfg["arch"], load_file(str(weights))
+
+
+def shipped_drafter(method: str, target) -> Path | None:
+    """The drafter shipped in the package for (method, target), matched by fingerprint."""
+    if not SHIPPED_ROOT.is_dir():
+        return None
+    for d in sorted(SHIPPED_ROOT.iterdir()):
+        if (d / CONFIG).is_file():
+            cfg = json.loads((d / CONFIG).read_text())
+            if cfg.get("method") == method and cfg["target"].get("fingerprint") == target.fingerprint:
+                return d
+    return None

@@ -1,0 +1,265 @@
+"""EAGLE-3 drafting at inference: chain drafts, or EAGLE-2 dynamic trees.
+
+Contract:
+- `EagleDrafter(model, target, tree=None)` wraps a trained `Eagle3`. It captures the target's
+  `feature_layers` during prefill and verification (`needs_hidden`) and keeps a one-layer KV
+  cache per slot whose committed rows are built from real target features: row r holds
+  (feature of position r, token r + 1) at RoPE position r + 1 (see model.py).
+- `advance` only queues the verified block's features of the kept rows (the accepted path);
+  the next `propose` first runs them through the layer with the now-known next tokens
+  (catch-up, one batched forward), which also yields the state the first draft comes from.
+- Chain (`tree=None`): K drafts sampled left to right from the drafter's processed q (the
+  request's temperature / top-k / top-p; the full-vocabulary q is returned for rejection
+  sampling). Each later draft is one batched forward of one row per request that attends to
+  the committed rows and the request's earlier draft rows (written past the committed length,
+  never committed).
+- Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
+  the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
+  `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
+  tree) and hand them over with parent indices. Siblings are chosen deterministically, so the
+  loop verifies them as point-mass candidates (lossless at any temperature).
+Legend: B requests, K drafts, d width, Vd draft vocab, V target vocab rows, S slots, R cache rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.eagle.model import Eagle3
+from specdecode.drafters.layers import attend, rope_table
+from specdecode.models.kv_cache import KVCache
+from specdecode.sampling import process_logits_batch, sample
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    depth: int = 5
+    topk: int = 4
+    num_nodes: int = 16
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    deterministic = False
+
+    def __init__(self, model: Eagle3, target, tree: TreeSpec | None = None, cost_per_token: float = 0.1):
+        self.net = model.eval()
+        self.target = target.model
+        self.vocab_size = target.vocab_size  # tokenizer size: ids past it never drafted
+        self.vocab_rows = target.model.info.vocab_size  # V
+        self.layers = tuple(model.cfg.feature_layers)  # low, mid, high (a tiny target may repeat one)
+        self.needs_hidden = tuple(dict.fromkeys(self.layers))
+        self.tree = tree
+        self.deterministic = tree is not None
+        self.cost_per_token = cost_per_token
+        self.fingerprint = ""  # set by the builder (checkpoint hash), keys the cost profile
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.cache: KVCache | None = None
+        self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 3d] features
+        self._last: dict[int, torch.Tensor] = {}  # slot -> [d] output state of the last committed row
+
+    # ---- slots ----------------------------------------------------------------------------
+    def setup(self, num_slots: int, max_len: int) -> None:
+        c = self.net.cfg
+        extra = 2 * max(self.tree.num_nodes if self.tree else 0, 64)  # draft rows past the committed ones
+        self.cache = KVCache(
+            1, num_slots, max_len + extra, c.num_kv_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
+        self.cache.reset(slot)
+        self._last.pop(slot, None)
+        feats = self._features(hidden, None) if hidden else None
+        self._pending[slot] = [feats] if feats is not None and feats.shape[0] else []
+
+    def stop(self, slot: int) -> None:
+        self._pending.pop(slot, None)
+        self._last.pop(slot, None)
+
+    def _features(self, hidden: dict, b: int | None, rows=None) -> torch.Tensor:
+        """Concatenate the captured layers (low ; mid ; high) -> [n, 3d] in the drafter dtype."""
+        parts = []
+        for layer in self.layers:
+            h = hidden[layer]
+            if h is None:
+                return None
+            h = h if b is None else h[b]
+            parts.append(h if rows is None else h[rows])
+        return torch.cat(parts, dim=-1).to(self.device, self.dtype)
+
+    # ---- the layer over cached rows -------------------------------------------------------
+    @torch.no_grad()
+    def _run(self, slots, tok, hidden, rows, positions, visible):
+        """One layer pass. tok [B, N] ids, hidden [B, N, d], rows [B, N] cache rows written,
+        positions [B, N], visible [B, N, span] bool -> output states [B, N, d]."""
+        c = self.net.cfg
+        emb = self.target.embed(tok.to(self.target.info.device)).to(self.device, self.dtype)
+        cos, sin = rope_table(positions.to(self.device), c.head_dim, c.rope_theta)
+        q, k, v = self.net.attn.qkv(self.net.layer_in(emb, hidden), cos, sin)
+        sl = torch.tensor(slots, device=self.device)[:, None]  # [B, 1]
+        kc = self.cache.k[0].transpose(1, 2)  # [S, R, Hk, D] view
+        vc = self.cache.v[0].transpose(1, 2)
+        kc[sl, rows.to(self.device)] = k
+        vc[sl, rows.to(self.device)] = v
+        span = visible.shape[-1]
+        keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
+        return self.net.layer_out(hidden, attend(q, keys, values, visible.to(self.device)))
+
+    @torch.no_grad()
+    def _catch_up(self, batch: list[DraftRow], idx: list[int]) -> None:
+        """Run queued target features through the layer and commit them (ragged, one forward)."""
+        todo = [b for b in idx if self._pending.get(batch[b].slot)]
+        if not todo:
+            return
+        feats = [torch.cat(self._pending[batch[b].slot]) for b in todo]  # [n_b, 3d]
+        n = max(f.shape[0] for f in feats)
+        B = len(todo)
+        lens = torch.tensor([self.cache.lengths[batch[b].slot] for b in todo])  # [B]
+        x = torch.zeros(B, n, feats[0].shape[-1], dtype=self.dtype, device=self.device)
+        tok = torch.zeros(B, n, dtype=torch.long)
+        counts = torch.tensor([f.shape[0] for f in feats])
+        for i, (b, f) in enumerate(zip(todo, feats, strict=True)):
+            x[i, : f.shape[0]] = f
+            start = int(lens[i]) + 1  # row r reads token r + 1
+            tok[i, : f.shape[0]] = torch.tensor(batch[b].token_ids[start : start + f.shape[0]])
+        j = torch.arange(n)
+        rows = lens[:, None] + j[None]  # [B, n]
+        valid = j[None] < counts[:, None]  # [B, n]
+        rows = torch.where(valid, rows, torch.full_like(rows, self.cache.scratch_row))
+        span = int((lens + counts).max())
+        col = torch.arange(span)
+        visible = col[None, None] <= rows[:, :, None]  # causal over committed + new rows
+        visible = visible | ~valid[:, :, None]  # padded queries see everything (discarded)
+        out = self._run([batch[b].slot for b in todo], tok, self.net.fuse(x), rows, rows + 1, visible)
+        for i, b in enumerate(todo):
+            slot = batch[b].slot
+            self.cache.commit(slot, int(counts[i]))
+            self._last[slot] = out[i, int(counts[i]) - 1]
+            self._pending[slot] = []
+
+    # ---- propose --------------------------------------------------------------------------
+    def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, d] states -> [B, V] fp32 logits over the target vocab (-inf off the draft vocab)."""
+        small = self.net.logits(out).float()  # [B, Vd]
+        full = torch.full((out.shape[0], self.vocab_rows), float("-inf"), device=self.device)
+        return full.index_copy_(1, self.net.d2t, small)
+
+    @torch.no_grad()
+    def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        idx = [b for b, k in enumerate(num_draft) if k > 0]
+        self._catch_up(batch, idx)
+        idx = [b for b in idx if batch[b].slot in self._last]  # a 1-token prompt has no state yet
+        if not idx:
+            return empty_proposal(len(batch))
+        if self.tree is not None:
+            return self._propose_tree(batch, idx, num_draft)
+        max_k = max(num_draft[b] for b in idx)
+        slots = [batch[b].slot for b in idx]
+        params = [batch[b].params for b in idx]
+        base = torch.tensor([self.cache.lengths[s] for s in slots])  # [B']
+        draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
+        draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
+        state = torch.stack([self._last[s] for s in slots])  # [B', d]
+        sel = torch.tensor(idx)
+        for j in range(max_k):
+            q = process_logits_batch(self._full_logits(state)[:, None], params, self.vocab_size)[:, 0]
+            u = torch.stack(
+                [
+                    torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
+                    for b in idx
+                ]
+            )  # exactly num_draft[b] uniforms per request
+            x = sample(q, u.to(q.device))  # [B']
+            draft_ids[sel, j] = x.cpu()
+            draft_probs[sel, j] = q.cpu()
+            if j + 1 < max_k:  # feed draft j at row base + j (uncommitted), position base + j + 1
+                rows = (base + j)[:, None]  # [B', 1]
+                col = torch.arange(int(base.max()) + j + 1)
+                visible = col[None, None] <= rows[:, :, None]  # committed rows + earlier drafts
+                state = self._run(slots, x[:, None].cpu(), state[:, None], rows, rows + 1, visible)[:, 0]
+        num = torch.tensor([max(k, 0) if b in idx else 0 for b, k in enumerate(num_draft)])
+        return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
+
+    def _propose_tree(self, batch: list[DraftRow], idx: list[int], num_draft: list[int]) -> Proposal:
+        """EAGLE-2 dynamic tree, one request at a time (trees differ in shape per request)."""
+        spec = self.tree
+        width = max(min(spec.num_nodes, num_draft[b]) for b in idx)
+        draft_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        parents = torch.full((len(batch), width), -1, dtype=torch.long)
+        num = torch.zeros(len(batch), dtype=torch.long)
+        for b in idx:
+            toks, pars = self._grow_tree(batch[b], min(spec.num_nodes, num_draft[b]))
+            n = len(toks)
+            draft_ids[b, :n] = torch.tensor(toks)
+            parents[b, :n] = torch.tensor(pars)
+            num[b] = n
+        return Proposal(draft_ids=draft_ids, num_draft=num, parents=parents, tree_iid=False)
+
+    def _grow_tree(self, row: DraftRow, budget: int) -> tuple[list[int], list[int]]:
+        spec, slot = self.tree, row.slot
+        base = self.cache.lengths[slot]
+        # Per node: token, parent (-1 = the last committed token), cumulative log-prob, depth.
+        toks, pars, scores, depths = [], [], [], []
+        rows_of: dict[int, int] = {}  # node -> draft cache row
+        out_of: dict[int, torch.Tensor] = {}  # node -> its output state [d]
+
+        def expand(parent: int, state: torch.Tensor) -> list[int]:
+            logp = torch.log_softmax(self._full_logits(state[None])[0, : self.vocab_size].float(), -1)
+            top = logp.topk(spec.topk)
+            for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                toks.append(t)
+                pars.append(parent)
+                scores.append((scores[parent] if parent >= 0 else 0.0) + s)
+                depths.append(depths[parent] + 1 if parent >= 0 else 1)
+            return list(range(len(toks) - spec.topk, len(toks)))
+
+        frontier = expand(-1, self._last[slot])
+        next_row = base
+        for _ in range(spec.depth - 1):
+            # 1. Run the best `topk` frontier nodes through the layer (one forward).
+            frontier = sorted(frontier, key=lambda i: -scores[i])[: spec.topk]
+            for i in frontier:
+                rows_of[i] = next_row
+                next_row += 1
+            visible = torch.zeros(1, len(frontier), next_row, dtype=torch.bool)  # [1, F, span]
+            visible[0, :, :base] = True
+            for qi, i in enumerate(frontier):
+                a = i
+                while a >= 0:  # a node sees its own row and its ancestors' rows
+                    visible[0, qi, rows_of[a]] = True
+                    a = pars[a]
+            states = torch.stack([self._last[slot] if pars[i] < 0 else out_of[pars[i]] for i in frontier])
+            out = self._run(
+                [slot],
+                torch.tensor([[toks[i] for i in frontier]]),
+                states[None],  # [1, F, d]
+                torch.tensor([[rows_of[i] for i in frontier]]),
+                torch.tensor([[base + depths[i] for i in frontier]]),
+                visible,
+            )[0]  # [F, d]
+            # 2. Expand: topk children of each, scored by cumulative log-probability.
+            new = []
+            for qi, i in enumerate(frontier):
+                out_of[i] = out[qi]
+                new += expand(i, out[qi])
+            frontier = new
+        # 3. Rerank all nodes and keep the best `budget`; ancestors score at least as high as
+        #    their descendants, so the kept set is a tree. Order parents before children.
+        best = sorted(range(len(toks)), key=lambda i: (-scores[i], depths[i]))[:budget]
+        keep = sorted(best, key=lambda i: (depths[i], i))
+        pos_of = {i: p for p, i in enumerate(keep)}
+        return [toks[i] for i in keep], [pos_of[pars[i]] if pars[i] >= 0 else -1 for i in keep]
+
+    # ---- advance --------------------------------------------------------------------------
+    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+        for b, row in enumerate(batch):
+            if proposal.accepted_nodes is not None and proposal.num_draft[b] > 0:
+                kept = [0] + [i + 1 for i in proposal.accepted_nodes[b]]
+            else:
+                kept = list(range(num_accepted[b] + 1))
+            feats = self._features(target_out.hidden, b, torch.tensor(kept))
+            self._pending.setdefault(row.slot, []).append(feats)

@@ -1,0 +1,95 @@
+"""EAGLE-3 training task for the shared trainer (specdecode.training.trainer).
+
+Contract: `EagleTask(target, seqs, draft_vocab_size, ttt_steps)` picks the draft vocabulary (the
+most frequent response tokens of the training data, EOS always included), builds an `Eagle3`
+whose head starts from the target head's rows, and exposes what `train()` needs. The loss
+module reads the target features (low ; mid ; high) and the target's final normed state, from
+which it computes the target's logits over the draft vocabulary (the soft labels).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
+from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_loss
+from specdecode.models.base import FINAL_NORM
+
+
+def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
+    """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
+    counts = Counter()
+    for s in seqs:
+        counts.update(s.input_ids[s.loss_mask.bool()].tolist())
+    chosen = [t for t, _ in counts.most_common(size)]
+    for e in eos_ids:
+        if e not in chosen:
+            chosen = chosen[: size - 1] + [e]
+    if len(chosen) < size:  # fill with the lowest unused ids so the head has `size` rows
+        used = set(chosen)
+        chosen += [t for t in range(vocab_rows) if t not in used][: size - len(chosen)]
+    total = sum(counts.values())
+    cover = sum(counts[t] for t in chosen) / max(total, 1)
+    return torch.tensor(sorted(chosen)), cover
+
+
+class EagleLoss(nn.Module):
+    def __init__(self, net: Eagle3, target, ttt_steps: int):
+        super().__init__()
+        self.net = net
+        self.ttt_steps = ttt_steps
+        # Frozen target pieces live in a list: not parameters, not buffers (DDP leaves them alone).
+        w = target.model.lm_head_weight()[net.d2t.to(target.model.info.device)]
+        self._frozen = [target, w.detach().float()]
+
+    def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
+        target, head_w = self._frozen
+        dev = batch["input_ids"].device
+        layers = self.net.cfg.feature_layers
+        x = torch.cat([feats[i] for i in layers], dim=-1).float()  # [B, T, 3d]
+        with torch.no_grad():
+            tgt = feats[FINAL_NORM].float() @ head_w.to(dev).T  # [B, T, Vd]
+
+        def embed(ids):
+            return target.model.embed(ids.to(target.model.info.device)).float().to(dev)
+
+        return ttt_loss(
+            self.net,
+            embed,
+            x,
+            tgt,
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch["lengths"],
+            num_steps=self.ttt_steps,
+        )
+
+
+class EagleTask:
+    method = "eagle"
+
+    def __init__(self, target, seqs, draft_vocab_size: int = 8192, ttt_steps: int = 3):
+        info = target.model.info
+        cfg = EagleConfig.for_target(info, target.config, draft_vocab_size)
+        d2t, self.coverage = draft_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        )
+        self.net = Eagle3(cfg)
+        self.net.init_from_target(target.model.lm_head_weight().detach().cpu(), d2t)
+        self.net.to(info.device)
+        self.target = target
+        self.module = EagleLoss(self.net, target, ttt_steps)
+        self.feature_layers = (*cfg.feature_layers, FINAL_NORM)
+
+    def arch(self) -> dict:
+        return self.net.cfg.to_json()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return self.net.state_dict()
+
+    def make_drafter(self, tree: TreeSpec | None = None) -> Drafter:
+        return EagleDrafter(self.net, self.target, tree=tree)

@@ -1,0 +1,77 @@
+"""Small trainable transformer pieces shared by the learned drafters (EAGLE, MTP, DFlash, ...).
+
+Contract:
+- `rope_table(positions, head_dim, theta)` -> (cos, sin) `[..., D]` in fp32 (rotate-half
+  convention of Llama/Qwen); `apply_rope(x [B, N, H, D], cos, sin)` rotates q or k.
+- `DraftAttention`: grouped-query attention whose projections are trainable; it does not own a
+  cache: `qkv(x)` gives (q, k, v) `[B, N, H|Hk, D]` and `out(o)` projects back, so each drafter
+  decides what the queries attend to (training-time-test blocks, a per-slot KV cache, a tree).
+- `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
+- `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
+Legend: B batch, N query rows, M key rows, H heads, Hk KV heads, D head dim, d model width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RMSNorm = nn.RMSNorm
+
+
+def rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[*positions.shape, D]` (fp32) for integer positions."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    ang = positions.float().unsqueeze(-1) * inv  # [..., D/2]
+    ang = torch.cat([ang, ang], dim=-1)  # [..., D]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, N, H, D]; cos/sin [B, N, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    return x * c + rot * s
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked GQA: q [B, N, H, D], k/v [B, M, Hk, D], mask [B, N, M] (True = visible) -> [B, N, H*D]."""
+    B, N, H, D = q.shape
+    Hk = k.shape[2]
+    k = k.repeat_interleave(H // Hk, dim=2)
+    v = v.repeat_interleave(H // Hk, dim=2)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1)
+    )  # [B, H, N, D]
+    return o.transpose(1, 2).reshape(B, N, H * D)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, in_dim: int, d: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.H, self.Hk, self.D = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, d, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, N, in_dim] -> q [B, N, H, D], k/v [B, N, Hk, D] (RoPE applied to q and k)."""
+        B, N, _ = x.shape
+        q = self.q_proj(x).view(B, N, self.H, self.D)
+        k = self.k_proj(x).view(B, N, self.Hk, self.D)
+        v = self.v_proj(x).view(B, N, self.Hk, self.D)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inter, bias=False)
+        self.up_proj = nn.Linear(d, inter, bias=False)
+        self.down_proj = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

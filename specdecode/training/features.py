@@ -1,0 +1,122 @@
+"""Target features for drafter training: computed by the frozen target, online or from a disk cache.
+
+Contract:
+- `TargetFeatures(target, layers)`: `__call__(batch)` runs the frozen target over
+  `batch["input_ids"]` ([B, T], right-padded, `lengths` valid rows) and returns
+  {layer: [B, T, d]} for the requested decoder layers (`-1` = final normed state), in the
+  target's dtype, without gradients. Only the requested layers are kept.
+- `FeatureCache(root, target, layers)`: optional. `build(seqs)` prints the size it will write,
+  then stores each sequence's features (bf16 safetensors shards, written atomically, resumable:
+  finished shards are kept); `__call__(batch)` reads them back for a batch (by `batch["index"]`).
+  A cache made for another target or other layers is refused.
+Legend: B batch, T rows, d width.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+SHARD = 64  # sequences per cache shard
+
+
+class TargetFeatures:
+    def __init__(self, target, layers: tuple[int, ...]):
+        self.target, self.layers = target, tuple(layers)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> dict[int, torch.Tensor]:
+        model = self.target.model
+        ids, lengths = batch["input_ids"], batch["lengths"]
+        B, T = ids.shape
+        cache = model.new_cache(B, T)
+        dev = model.info.device
+        counts = lengths.tolist()
+        out = model.forward(
+            ids.to(dev),
+            torch.arange(T, device=dev)[None].expand(B, T),
+            cache,
+            list(range(B)),
+            num_new=counts if min(counts) != T else None,
+            capture=self.layers,
+            logits=False,
+        )
+        return {k: out.hidden[k] for k in self.layers}
+
+
+class FeatureCache:
+    def __init__(self, root: str | Path, target, layers: tuple[int, ...]):
+        self.root, self.layers = Path(root), tuple(layers)
+        self.source = TargetFeatures(target, layers)
+        self.meta = {"target_fingerprint": target.fingerprint, "layers": list(self.layers)}
+        self.d = target.model.info.hidden_size
+        self._open: dict[int, dict] = {}
+
+    def _shard(self, i: int) -> Path:
+        return self.root / f"shard-{i:05d}.safetensors"
+
+    def build(self, seqs: list, batch_tokens: int = 4096, progress: bool = True) -> None:
+        from safetensors.torch import save_file
+        from tqdm import tqdm
+
+        from specdecode.training.data import collate
+
+        meta_path = self.root / "meta.json"
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text())
+            if old != {**self.meta, "num_sequences": len(seqs)}:
+                raise SpecDecodeError(
+                    f"feature cache {self.root} was made for another target, layer set or data; "
+                    "delete it or choose another --feature-cache"
+                )
+        n_tok = sum(len(s.input_ids) for s in seqs)
+        size = n_tok * len(self.layers) * self.d * 2
+        print(
+            f"feature cache {self.root}: {len(seqs)} sequences, {n_tok} tokens, "
+            f"{len(self.layers)} layers -> {size / 2**20:.0f} MiB (bf16)"
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps({**self.meta, "num_sequences": len(seqs)}))
+        shards = range((len(seqs) + SHARD - 1) // SHARD)
+        for sh in tqdm(shards, desc="target features", disable=not progress, dynamic_ncols=True):
+            if self._shard(sh).exists():
+                continue
+            tensors = {}
+            idx = list(range(sh * SHARD, min((sh + 1) * SHARD, len(seqs))))
+            for start in range(0, len(idx), 8):
+                part = idx[start : start + 8]
+                batch = collate([seqs[i] for i in part])
+                feats = self.source(batch)
+                for b, i in enumerate(part):
+                    n = int(batch["lengths"][b])
+                    for layer, h in feats.items():
+                        tensors[f"{i}/{layer}"] = h[b, :n].to(torch.bfloat16).cpu().contiguous()
+            tmp = self._shard(sh).with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, self._shard(sh))
+
+    def _get(self, i: int, layer: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        sh = i // SHARD
+        if sh not in self._open:
+            if not self._shard(sh).exists():
+                raise SpecDecodeError(f"feature cache {self.root} lacks shard {sh}; run build() first")
+            self._open[sh] = safe_open(str(self._shard(sh)), "pt")
+        return self._open[sh].get_tensor(f"{i}/{layer}")
+
+    def __call__(self, batch: dict) -> dict[int, torch.Tensor]:
+        B, T = batch["input_ids"].shape
+        out = {}
+        for layer in self.layers:
+            h = torch.zeros(B, T, self.d, dtype=torch.bfloat16)
+            for b, i in enumerate(batch["index"].tolist()):
+                x = self._get(i, layer)
+                h[b, : x.shape[0]] = x
+            out[layer] = h
+        return out
