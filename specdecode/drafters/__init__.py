@@ -12,8 +12,19 @@ from specdecode.drafters.base import Drafter, DraftRow, Proposal
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import SpecDecodeError
 
-METHODS = ("ar", "ngram", "draft")
-DEFAULT_NUM_DRAFT = {"ar": 0, "ngram": 6, "draft": 5}
+METHODS = ("ar", "ngram", "draft", "medusa", "medusa-tree", "eagle", "eagle-tree")
+DEFAULT_NUM_DRAFT = {
+    "ar": 0,
+    "ngram": 6,
+    "draft": 5,
+    "medusa": 4,
+    "medusa-tree": 16,
+    "eagle": 4,
+    "eagle-tree": 16,
+}
+# Learned drafters: method -> (checkpoint method, loader); the checkpoint comes from --drafter DIR
+# or, for a target that has one, the drafter shipped in specdecode/data/drafters/.
+LEARNED = {"medusa": "medusa", "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle"}
 # Default drafter model per target alias for the classic draft-model method.
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
@@ -23,12 +34,14 @@ __all__ = ["METHODS", "DraftRow", "Drafter", "Proposal", "build_drafter"]
 def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="bf16", device=None) -> Drafter:
     if method not in METHODS:
         raise SpecDecodeError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    if method != "draft" and drafter_spec is not None:
-        raise SpecDecodeError(f"--drafter is only used by --method draft, not {method!r}")
+    if method in ("ar", "ngram") and drafter_spec is not None:
+        raise SpecDecodeError(f"--drafter is not used by --method {method}")
     if method == "ar":
         return ARDrafter()
     if method == "ngram":
         return NgramDrafter()
+    if method in LEARNED:
+        return _learned(method, target, drafter_spec)
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.models.loader import load_model, same_tokenizer
 
@@ -49,3 +62,24 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
     return DraftModelDrafter(
         small.model, target.vocab_size, target.model.info.vocab_size, fingerprint=small.fingerprint
     )
+
+
+def _learned(method: str, target, drafter_spec: str | None) -> Drafter:
+    from specdecode.drafters.checkpoint import shipped_drafter
+
+    kind = LEARNED[method]
+    path = drafter_spec or shipped_drafter(kind, target)
+    if path is None:
+        raise SpecDecodeError(
+            f"no {kind} drafter ships for target {target.name!r}; train one with "
+            f"`specdecode train {kind} --target {target.name} --data DIR --out DIR` and pass --drafter DIR"
+        )
+    if kind == "eagle":
+        from specdecode.drafters.eagle import TreeSpec, load_eagle
+
+        return load_eagle(path, target, tree=TreeSpec() if method == "eagle-tree" else None)
+    if kind == "medusa":
+        from specdecode.drafters.medusa import load_medusa
+
+        return load_medusa(path, target, tree=method == "medusa-tree")
+    raise AssertionError(kind)

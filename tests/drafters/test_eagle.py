@@ -1,79 +1,18 @@
 """EAGLE-3 end to end on a tiny target: regenerate, train (resumable), load, draft losslessly."""
 
-import collections
 import json
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
-from specdecode.decode import GenerationRequest, SpeculativeDecoder
-from specdecode.drafters.ar import ARDrafter
-from specdecode.drafters.eagle import TreeSpec, load_eagle
+from specdecode.drafters.eagle import load_eagle
 from specdecode.drafters.eagle.model import ttt_forward
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
-from specdecode.policy import FixedK
 from specdecode.training.data import load_sequences
 from specdecode.training.features import FeatureCache, TargetFeatures
 from specdecode.training.regen import read_regen, regenerate
 from specdecode.training.run import run_training
-from specdecode.training.trainer import TrainConfig
-
-WORDS = "cat dog park world model tokens sea sky river mountain fox wizard number capital story".split()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def prompts_dir(tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("prompts")
-    for split, n in (("train", 48), ("heldout", 4)):
-        with (prompts / f"{split}.jsonl").open("w") as f:
-            for i in range(n):
-                a, b = WORDS[i % len(WORDS)], WORDS[(i * 7 + 3) % len(WORDS)]
-                text = f"tell me about the {a} and the {b} {i}"
-                f.write(
-                    json.dumps({"id": f"{split}/{i}", "messages": [{"role": "user", "content": text}]}) + "\n"
-                )
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def regen_dir(tiny, prompts_dir, tmp_path_factory):
-    prompts = prompts_dir
-    out = tmp_path_factory.mktemp("regen")
-    regenerate(tiny, prompts, out, max_new_tokens=40, batch_size=16, progress=False)
-    return out
-
-
-def _cfg(out, steps, **kw):
-    base = dict(
-        out_dir=str(out),
-        steps=steps,
-        lr=3e-3,
-        warmup_steps=5,
-        tokens_per_batch=1024,
-        checkpoint_every=10,
-        eval_prompts=4,
-        eval_max_new_tokens=24,
-        log_every=5,
-    )
-    return TrainConfig(**{**base, **kw})
-
-
-KW = {"draft_vocab_size": 128, "ttt_steps": 2}
-
-
-@pytest.fixture(scope="module")
-def trained(tiny, regen_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eagle")
-    summary = run_training("eagle", tiny, regen_dir, out, _cfg(out, 80), KW, progress=False)
-    return out, summary
 
 
 def test_regen_writes_masked_records_and_resumes(tiny, prompts_dir, regen_dir, tmp_path):
@@ -97,20 +36,25 @@ def test_regen_writes_masked_records_and_resumes(tiny, prompts_dir, regen_dir, t
         read_regen(regen_dir, "train", target_fingerprint="another")
 
 
-def test_training_lowers_the_loss_and_serves_tau_above_one(trained):
-    out, summary = trained
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_training_lowers_the_loss_and_serves_tau_above_one(trained, method):
+    out, summary = trained(method)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    kl = [r["loss_0"] for r in log if "loss_0" in r]
-    acc = [r["acc_0"] for r in log if "acc_0" in r]
-    assert kl[-1] < 0.6 * kl[0] and acc[-1] > acc[0] + 0.15
+    steps = [r for r in log if "grad_norm" in r]
+    kl = [sum(v for k, v in r.items() if k.startswith("loss_")) for r in steps]  # all steps / heads
+    acc = [
+        sum(v for k, v in r.items() if k.startswith("acc_")) / sum(k.startswith("acc_") for k in r)
+        for r in steps
+    ]
+    assert kl[-1] < 0.8 * kl[0] and acc[-1] > acc[0]
     assert summary["eval_tau"] > 1.3
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["method"] == "eagle" and cfg["training"]["steps"] == 80 and cfg["training"]["final"]
+    assert cfg["method"] == method and cfg["training"]["steps"] == 80 and cfg["training"]["final"]
 
 
 def test_inference_states_match_the_training_unroll(tiny, trained, regen_dir):
     """The drafter's cached rows and draft steps compute exactly what training-time test trains."""
-    out, _ = trained
+    out, _ = trained("eagle")
     drafter = load_eagle(out, tiny)
     net = drafter.net.float()
     seq = load_sequences(regen_dir, "train", 512)[0].input_ids
@@ -134,74 +78,15 @@ def test_inference_states_match_the_training_unroll(tiny, trained, regen_dir):
     torch.testing.assert_close(st[0, 0], outs[1][0, n - 1], atol=1e-4, rtol=1e-4)
 
 
-def _decode(target, drafter, k, prompts, params=None, max_batch=8, max_new=32, seed=0):
-    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=max_batch)
-    reqs = [
-        GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
-        for i, p in enumerate(prompts)
-    ]
-    return dec.generate(reqs)
-
-
-def _prompts(tok):
-    return [
-        tok(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello", "tell me about the sea")
-    ]
-
-
-@pytest.mark.parametrize("tree", [None, TreeSpec(depth=4, topk=3, num_nodes=10)])
-def test_greedy_eagle_equals_greedy_ar(tiny, trained, tree):
-    out, _ = trained
-    prompts = _prompts(tiny.tokenizer)
-    ar = _decode(tiny, ARDrafter(), 0, prompts)
-    k = 10 if tree else 4
-    sd = _decode(tiny, load_eagle(out, tiny, tree=tree), k, prompts)
-    assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
-    assert sum(r.tau for r in sd) / len(sd) > 1.2  # it really drafts and is accepted
-
-
-def test_sampled_batch_equals_single_and_matches_ar_distribution(tiny, trained):
-    out, _ = trained
-    prompts = _prompts(tiny.tokenizer)
-    params = SamplingParams(temperature=1.0, top_k=20)
-    batched = _decode(tiny, load_eagle(out, tiny), 3, prompts, params=params, max_batch=3)
-    singles = [
-        _decode(tiny, load_eagle(out, tiny), 3, [p], params=params, seed=i)[0] for i, p in enumerate(prompts)
-    ]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in singles]
-
-    n, prompt = 1200, prompts[0]
-    params = SamplingParams(temperature=1.0, top_k=6)
-
-    def draw(drafter, k, base):
-        res = _decode(tiny, drafter, k, [prompt] * n, params=params, max_batch=64, max_new=2, seed=base)
-        return collections.Counter(tuple(r.token_ids) for r in res)
-
-    ar, sd = draw(ARDrafter(), 0, 0), draw(load_eagle(out, tiny), 3, 10**6)
-    keys = [k for k in set(ar) | set(sd) if ar[k] + sd[k] >= 10]
-    assert len(keys) >= 4
-    assert chi2_contingency([[ar[k] for k in keys], [sd[k] for k in keys]]).pvalue > 1e-3
-
-
-def test_checkpoint_for_another_target_is_refused(trained, tiny_qwen2_dir):
-    out, _ = trained
-    other = load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
-    with pytest.raises(SpecDecodeError, match="trained for target"):
-        load_eagle(out, other)
-    with pytest.raises(SpecDecodeError, match="not a directory"):
-        load_eagle(out / "nope", other)
-
-
-def test_resume_after_a_kill_gives_the_same_weights(tiny, regen_dir, tmp_path):
-    full = tmp_path / "full"
-    run_training("eagle", tiny, regen_dir, full, _cfg(full, 14, eval_prompts=0), KW, progress=False)
-    part = tmp_path / "part"
+def test_resume_after_a_kill_gives_the_same_weights(tiny, regen_dir, tmp_path, train_cfg, method_kw):
+    full, part, kw = tmp_path / "full", tmp_path / "part", method_kw["eagle"]
+    run_training("eagle", tiny, regen_dir, full, train_cfg(full, 14, eval_prompts=0), kw, progress=False)
     run_training(
-        "eagle", tiny, regen_dir, part, _cfg(part, 14, eval_prompts=0, stop_at=10), KW, progress=False
+        "eagle", tiny, regen_dir, part, train_cfg(part, 14, eval_prompts=0, stop_at=10), kw, progress=False
     )
     assert torch.load(part / "trainer.pt", weights_only=False)["step"] == 10
     # "Kill" after step 10, then rerun with the full step count: it resumes at step 10.
-    run_training("eagle", tiny, regen_dir, part, _cfg(part, 14, eval_prompts=0), KW, progress=False)
+    run_training("eagle", tiny, regen_dir, part, train_cfg(part, 14, eval_prompts=0), kw, progress=False)
     a = torch.load(full / "trainer.pt", weights_only=False)
     b = torch.load(part / "trainer.pt", weights_only=False)
     assert b["step"] == 14

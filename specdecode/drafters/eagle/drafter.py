@@ -17,7 +17,9 @@ Contract:
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
   tree) and hand them over with parent indices. Siblings are chosen deterministically, so the
-  loop verifies them as point-mass candidates (lossless at any temperature).
+  loop verifies them as point-mass candidates (lossless at any temperature). Near-ties in the
+  ranking can resolve differently in a batch than alone (float rounding): a seed may then give
+  another sample, but the output distribution is the target's either way.
 Legend: B requests, K drafts, d width, Vd draft vocab, V target vocab rows, S slots, R cache rows.
 """
 

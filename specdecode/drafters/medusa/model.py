@@ -1,0 +1,89 @@
+"""Medusa heads (Cai et al. 2024, Medusa-1: frozen target) and their loss.
+
+Contract:
+- `MedusaConfig`: num_heads K, width d, draft vocabulary size; `d2t` maps draft ids to target ids.
+- `Medusa(cfg)`: head k (1-based) reads the target's final normed state h_t and predicts the
+  token at t + k + 1: logits_k = W (SiLU(A_k h_t) + h_t). A_k is a d x d layer per head (zero
+  initialised, so every head starts as the target's own next-token head); W is ONE head over the
+  reduced draft vocabulary shared by all heads and initialised from the target head's rows (K
+  full-vocabulary heads would not fit the 30 MB budget of a shipped drafter on small targets).
+- `medusa_loss(...)`: head k is trained against the target's own distribution at position
+  t + k (self-distillation, soft labels over the draft vocabulary, computed as KL), weighted
+  0.8^k, masked to response tokens.
+Legend: B batch, T rows, d width, K heads, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    num_heads: int
+    draft_vocab_size: int
+    target_vocab_size: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> MedusaConfig:
+        return cls(**d)
+
+
+class Medusa(nn.Module):
+    def __init__(self, cfg: MedusaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.num_heads))
+        for blk in self.blocks:
+            nn.init.zeros_(blk.weight)
+            nn.init.zeros_(blk.bias)
+        self.head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # [Vd]
+
+    def init_from_target(self, head_weight: torch.Tensor, d2t: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.head.weight.copy_(head_weight[d2t].float())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] final normed target states -> [..., K, Vd] logits of heads 1..K."""
+        outs = [self.head(F.silu(blk(h)) + h) for blk in self.blocks]
+        return torch.stack(outs, dim=-2)
+
+
+def medusa_loss(
+    model: Medusa,
+    h: torch.Tensor,  # [B, T, d] final normed target states
+    target_logits: torch.Tensor,  # [B, T, Vd] target logits over the draft vocab
+    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
+    lengths: torch.Tensor,  # [B]
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict]:
+    T = h.shape[1]
+    pos = torch.arange(T, device=h.device)
+    logits = model(h)  # [B, T, K, Vd]
+    total, wsum, logs = 0.0, 0.0, {}
+    for k in range(1, model.cfg.num_heads + 1):
+        # Head k at row t predicts x_{t+k+1}; the target's distribution for it sits at row t+k.
+        tgt = F.pad(target_logits[:, k:], (0, 0, 0, k))  # [B, T, Vd]
+        m = F.pad(loss_mask[:, k + 1 :], (0, k + 1)).float() * (pos[None] + k + 1 < lengths[:, None]).float()
+        logq = torch.log_softmax(logits[:, :, k - 1].float(), -1)
+        p = torch.softmax(tgt.float(), -1)
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)  # [B, T]
+        n = m.sum().clamp(min=1.0)
+        step = (kl * m).sum() / n
+        total = total + decay**k * step
+        wsum += decay**k
+        with torch.no_grad():
+            acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
+        logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
+    return total / wsum, logs

@@ -1,0 +1,58 @@
+"""Medusa-1 training task (frozen target) for the shared trainer.
+
+Contract: `MedusaTask(target, seqs, num_heads, draft_vocab_size)` builds `Medusa` with the most
+frequent response tokens as draft vocabulary (shared with EAGLE's choice) and a loss module that
+reads the target's final normed state (`-1`) and computes the soft labels from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdecode.drafters.eagle.train import draft_vocabulary
+from specdecode.drafters.medusa.drafter import MedusaDrafter
+from specdecode.drafters.medusa.model import Medusa, MedusaConfig, medusa_loss
+from specdecode.models.base import FINAL_NORM
+
+
+class MedusaLoss(nn.Module):
+    def __init__(self, net: Medusa, target):
+        super().__init__()
+        self.net = net
+        w = target.model.lm_head_weight()[net.d2t.to(target.model.info.device)]
+        self._frozen = [w.detach().float()]
+
+    def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
+        h = feats[FINAL_NORM].float()  # [B, T, d]
+        with torch.no_grad():
+            tgt = h @ self._frozen[0].to(h.device).T  # [B, T, Vd]
+        return medusa_loss(self.net, h, tgt, batch["loss_mask"], batch["lengths"])
+
+
+class MedusaTask:
+    method = "medusa"
+    feature_layers = (FINAL_NORM,)
+
+    def __init__(self, target, seqs, num_heads: int = 4, draft_vocab_size: int = 8192):
+        info = target.model.info
+        cfg = MedusaConfig(
+            info.hidden_size, num_heads, min(draft_vocab_size, info.vocab_size), info.vocab_size
+        )
+        d2t, self.coverage = draft_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        )
+        self.net = Medusa(cfg)
+        self.net.init_from_target(target.model.lm_head_weight().detach().cpu(), d2t)
+        self.net.to(info.device)
+        self.target = target
+        self.module = MedusaLoss(self.net, target)
+
+    def arch(self) -> dict:
+        return self.net.cfg.to_json()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return self.net.state_dict()
+
+    def make_drafter(self, tree=None) -> MedusaDrafter:
+        return MedusaDrafter(self.net, self.target, tree=tree)
