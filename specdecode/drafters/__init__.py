@@ -12,7 +12,7 @@ from specdecode.drafters.base import Drafter, DraftRow, Proposal
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import SpecDecodeError
 
-METHODS = ("ar", "ngram", "draft", "medusa", "medusa-tree", "eagle", "eagle-tree")
+METHODS = ("ar", "ngram", "draft", "medusa", "medusa-tree", "mtp", "eagle", "eagle-tree")
 DEFAULT_NUM_DRAFT = {
     "ar": 0,
     "ngram": 6,
@@ -24,7 +24,7 @@ DEFAULT_NUM_DRAFT = {
 }
 # Learned drafters: method -> (checkpoint method, loader); the checkpoint comes from --drafter DIR
 # or, for a target that has one, the drafter shipped in specdecode/data/drafters/.
-LEARNED = {"medusa": "medusa", "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle"}
+LEARNED = {"medusa": "medusa", "medusa-tree": "medusa", "mtp": "mtp", "eagle": "eagle", "eagle-tree": "eagle"}
 # Default drafter model per target alias for the classic draft-model method.
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
@@ -82,4 +82,8 @@ def _learned(method: str, target, drafter_spec: str | None) -> Drafter:
         from specdecode.drafters.medusa import load_medusa
 
         return load_medusa(path, target, tree=method == "medusa-tree")
+    if kind == "mtp":
+        from specdecode.drafters.mtp import load_mtp
+
+        return load_mtp(path, target)
     raise AssertionError(kind)

@@ -16,6 +16,7 @@ from specdecode.errors import SpecDecodeError
 TASKS = {
     "eagle": "specdecode.drafters.eagle.train:EagleTask",
     "medusa": "specdecode.drafters.medusa.train:MedusaTask",
+    "mtp": "specdecode.drafters.mtp.train:MTPTask",
 }
 
 

@@ -57,6 +57,7 @@ def make_cfg(out, steps, **kw) -> TrainConfig:
 METHOD_KW = {
     "eagle": {"draft_vocab_size": 128, "ttt_steps": 2},
     "medusa": {"draft_vocab_size": 128, "num_heads": 3},
+    "mtp": {"draft_vocab_size": 128, "num_modules": 3},
 }
 
 

@@ -11,6 +11,7 @@ from specdecode.drafters import build_drafter
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.eagle import TreeSpec, load_eagle
 from specdecode.drafters.medusa import load_medusa
+from specdecode.drafters.mtp import load_mtp
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
@@ -31,15 +32,19 @@ def _prompts(tok):
     ]
 
 
+CASES = [("eagle", False), ("eagle", True), ("medusa", False), ("medusa", True), ("mtp", False)]
+
+
 def _drafter(method, trained, target, tree=False):
     out, _ = trained(method)
     if method == "eagle":
         return load_eagle(out, target, tree=TreeSpec(depth=4, topk=3, num_nodes=10) if tree else None)
+    if method == "mtp":
+        return load_mtp(out, target)
     return load_medusa(out, target, tree=tree, num_nodes=10)
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(("method", "tree"), CASES)
 def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
     prompts = _prompts(tiny.tokenizer)
     ar = _decode(tiny, ARDrafter(), 0, prompts)
@@ -49,8 +54,7 @@ def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
     assert sum(r.tau for r in sd) / len(sd) > 1.2  # it really drafts and is accepted
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(("method", "tree"), CASES)
 def test_sampled_batch_equals_single_and_matches_ar_distribution(tiny, trained, method, tree):
     prompts = _prompts(tiny.tokenizer)
     params = SamplingParams(temperature=1.0, top_k=20)

@@ -1,0 +1,160 @@
+"""MTP drafting: D chained modules draft D tokens, each with the causal context of its depth.
+
+Contract:
+- `MTPDrafter(model, target)` captures the target's final normed state (`h^0`). Module k's row
+  at position i needs token t_{i+k}, so its KV cache is committed only up to position n - k
+  (x_n = the last committed token); the rows past that are drafted each round from the
+  previous depth's draft-time states and the drafts so far, written past the committed rows
+  and never committed. Per slot it keeps the states h^k of committed rows (`hist[k]`).
+- Drafts are sampled left to right from each module's processed q (the request's sampling,
+  full-vocabulary q returned for rejection sampling); at most D drafts per round. Requests are
+  drafted one at a time (their depths' committed lengths differ).
+Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.layers import attend, rope_table
+from specdecode.models.base import FINAL_NORM
+from specdecode.models.kv_cache import KVCache
+from specdecode.sampling import process_logits_batch, sample
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+    deterministic = False
+    needs_hidden = (FINAL_NORM,)
+
+    def __init__(self, model, target, cost_per_token: float = 0.1):
+        self.net = model.eval()
+        self.target = target.model
+        self.vocab_size, self.vocab_rows = target.vocab_size, target.model.info.vocab_size
+        self.cost_per_token = cost_per_token
+        self.fingerprint = ""
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.net.attach_head(target.model.lm_head_weight())
+        self.caches: list[KVCache] = []
+        self.hist: dict[int, list[torch.Tensor]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
+
+    def setup(self, num_slots: int, max_len: int) -> None:
+        c = self.net.cfg
+        self.caches = [
+            KVCache(
+                1,
+                num_slots,
+                max_len + 2 * c.num_modules + 2,
+                c.num_kv_heads,
+                c.head_dim,
+                self.dtype,
+                self.device,
+            )
+            for _ in range(c.num_modules)
+        ]
+
+    def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
+        d = self.net.cfg.hidden_size
+        h0 = (hidden or {}).get(FINAL_NORM)
+        h0 = torch.zeros(0, d) if h0 is None else h0
+        self.hist[slot] = [h0.to(self.device, self.dtype)] + [
+            torch.zeros(0, d, dtype=self.dtype, device=self.device) for _ in self.net.mods
+        ]
+        for c in self.caches:
+            c.reset(slot)
+
+    def stop(self, slot: int) -> None:
+        self.hist.pop(slot, None)
+
+    @torch.no_grad()
+    def _run(self, k: int, slot: int, h_prev, tok: list[int], first_pos: int, commit: bool) -> torch.Tensor:
+        """Module k over positions first_pos.. (rows at the cache's committed end) -> [N, d]."""
+        cfg, mod, cache = self.net.cfg, self.net.mods[k - 1], self.caches[k - 1]
+        n = len(tok)
+        base = cache.lengths[slot]
+        assert base == first_pos, (base, first_pos)  # module k's cache rows are indexed by position
+        emb = self.target.embed(torch.tensor([tok], device=self.target.info.device)).to(
+            self.device, self.dtype
+        )
+        pos = (
+            torch.arange(first_pos, first_pos + n, device=self.device)[None] + k
+        )  # token t_{i+k} sits at i + k
+        cos, sin = rope_table(pos, cfg.head_dim, cfg.rope_theta)
+        x = mod.inp(h_prev[None], emb)
+        q, kk, v = mod.qkv(x, cos, sin)
+        cache.k[0][slot, :, base : base + n] = kk[0].transpose(0, 1)
+        cache.v[0][slot, :, base : base + n] = v[0].transpose(0, 1)
+        keys = cache.k[0][slot, :, : base + n].transpose(0, 1)[None]  # [1, base+n, Hk, D]
+        values = cache.v[0][slot, :, : base + n].transpose(0, 1)[None]
+        vis = (
+            torch.arange(base + n, device=self.device)[None, :]
+            <= (base + torch.arange(n, device=self.device))[:, None]
+        )
+        out = mod.finish(x, attend(q, keys, values, vis[None]))[0]  # [n, d]
+        if commit:
+            cache.commit(slot, n)
+        return out
+
+    def _catch_up(self, row: DraftRow) -> None:
+        """Commit module k's rows for positions whose token t_{i+k} is known (i <= n - k)."""
+        hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
+        for k in range(1, len(self.net.mods) + 1):
+            c = self.caches[k - 1].lengths[row.slot]
+            end = min(n - k, hist[k - 1].shape[0] - 1)  # last position to commit
+            if end < c:
+                continue
+            out = self._run(k, row.slot, hist[k - 1][c : end + 1], toks[c + k : end + k + 1], c, commit=True)
+            hist[k] = torch.cat([hist[k], out])
+
+    def _q(self, k: int, state: torch.Tensor, row: DraftRow) -> torch.Tensor:
+        small = self.net.logits(k, state[None]).float()  # [1, Vd]
+        full = torch.full((1, self.vocab_rows), float("-inf"), device=self.device)
+        full.index_copy_(1, self.net.d2t, small)
+        return process_logits_batch(full[:, None], [row.params], self.vocab_size)[0, 0]  # [V]
+
+    @torch.no_grad()
+    def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        D = len(self.net.mods)
+        idx = [b for b, k in enumerate(num_draft) if k > 0]
+        for b in idx:
+            self._catch_up(batch[b])
+        idx = [b for b in idx if self.hist[batch[b].slot][1].shape[0] >= len(batch[b].token_ids) - 1 > 0]
+        if not idx:
+            return empty_proposal(len(batch))
+        max_k = min(D, max(num_draft[b] for b in idx))
+        ids = torch.zeros(len(batch), max_k, dtype=torch.long)
+        probs = torch.zeros(len(batch), max_k, self.vocab_rows)
+        num = torch.zeros(len(batch), dtype=torch.long)
+        for b in idx:
+            row, hist = batch[b], self.hist[batch[b].slot]
+            n, K = len(row.token_ids) - 1, min(D, num_draft[b])
+            drafts: list[int] = []
+            spec_prev = None  # depth k-1 draft-time states at positions n-k+2 .. n-1
+            for k in range(1, K + 1):
+                if k == 1:
+                    state = hist[1][n - 1]
+                else:
+                    # Positions first..n-1: committed depth-(k-1) states, then its draft-time ones.
+                    first = self.caches[k - 1].lengths[row.slot]
+                    h_prev = torch.cat([hist[k - 1][first:], spec_prev])
+                    toks = (row.token_ids + drafts)[first + k : n + k]
+                    if first != n - k + 1 or h_prev.shape[0] != len(toks):
+                        break  # too early in the sequence for this depth
+                    spec = self._run(k, row.slot, h_prev, toks, first, commit=False)
+                    state = spec[-1]
+                q = self._q(k, state, row)
+                u = torch.rand((), generator=row.generator)
+                x = int(sample(q[None], u[None].to(q.device))[0])
+                drafts.append(x)
+                ids[b, k - 1], probs[b, k - 1] = x, q.cpu()
+                spec_prev = spec if k > 1 else hist[1][n:n]  # depth 1 has no draft-time rows
+            num[b] = len(drafts)
+        return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
+
+    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+        h = target_out.hidden[FINAL_NORM]  # [B, N, d]
+        for b, row in enumerate(batch):
+            new = h[b, : num_accepted[b] + 1].to(self.device, self.dtype)
+            self.hist[row.slot][0] = torch.cat([self.hist[row.slot][0], new])
