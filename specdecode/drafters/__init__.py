@@ -42,10 +42,15 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
         return NgramDrafter()
     if method in LEARNED:
         return _learned(method, target, drafter_spec)
+    from specdecode.drafters.checkpoint import is_checkpoint, shipped_drafter
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.models.loader import load_model, same_tokenizer
 
-    spec = drafter_spec or DEFAULT_DRAFT_MODEL.get(target.name)
+    spec = drafter_spec or DEFAULT_DRAFT_MODEL.get(target.name) or shipped_drafter("draft", target)
+    if spec is not None and is_checkpoint(spec):  # a draft model distilled by `specdecode train draft`
+        from specdecode.drafters.distill import load_distilled
+
+        return load_distilled(spec, target)
     if spec is None:
         raise SpecDecodeError(
             f"--method draft needs a drafter model for target {target.name!r}: pass --drafter MODEL "

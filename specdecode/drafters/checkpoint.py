@@ -70,6 +70,18 @@ def save_checkpoint(
     return out
 
 
+def is_checkpoint(path) -> bool:
+    """True when `path` is a specdecode drafter checkpoint directory (not a model directory)."""
+    p = Path(path)
+    if not (p / CONFIG).is_file():
+        return False
+    try:
+        cfg = json.loads((p / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("format") == FORMAT and "method" in cfg
+
+
 def read_config(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_dir():

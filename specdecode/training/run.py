@@ -17,6 +17,7 @@ TASKS = {
     "eagle": "specdecode.drafters.eagle.train:EagleTask",
     "medusa": "specdecode.drafters.medusa.train:MedusaTask",
     "mtp": "specdecode.drafters.mtp.train:MTPTask",
+    "draft": "specdecode.drafters.distill:DistillTask",
 }
 
 

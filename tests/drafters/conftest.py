@@ -58,6 +58,7 @@ METHOD_KW = {
     "eagle": {"draft_vocab_size": 128, "ttt_steps": 2},
     "medusa": {"draft_vocab_size": 128, "num_heads": 3},
     "mtp": {"draft_vocab_size": 128, "num_modules": 3},
+    "draft": {"draft_vocab_size": 128, "num_layers": 2},
 }
 
 

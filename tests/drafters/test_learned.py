@@ -32,7 +32,14 @@ def _prompts(tok):
     ]
 
 
-CASES = [("eagle", False), ("eagle", True), ("medusa", False), ("medusa", True), ("mtp", False)]
+CASES = [
+    ("eagle", False),
+    ("eagle", True),
+    ("medusa", False),
+    ("medusa", True),
+    ("mtp", False),
+    ("draft", False),
+]
 
 
 def _drafter(method, trained, target, tree=False):
@@ -41,6 +48,8 @@ def _drafter(method, trained, target, tree=False):
         return load_eagle(out, target, tree=TreeSpec(depth=4, topk=3, num_nodes=10) if tree else None)
     if method == "mtp":
         return load_mtp(out, target)
+    if method == "draft":
+        return build_drafter("draft", target, str(out))
     return load_medusa(out, target, tree=tree, num_nodes=10)
 
 
