@@ -8,7 +8,7 @@ Contract:
 - `FeatureCache(root, target, layers)`: optional. `build(seqs)` prints the size it will write,
   then stores each sequence's features (bf16 safetensors shards, written atomically, resumable:
   finished shards are kept); `__call__(batch)` reads them back for a batch (by `batch["index"]`).
-  A cache made for another target or other layers is refused.
+  A cache made for another target or data is refused; one holding more layers serves a subset.
 Legend: B batch, T rows, d width.
 """
 
@@ -69,11 +69,17 @@ class FeatureCache:
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             old = json.loads(meta_path.read_text())
-            if old != {**self.meta, "num_sequences": len(seqs)}:
+            same = old.get("target_fingerprint") == self.meta["target_fingerprint"]
+            same = same and old.get("num_sequences") == len(seqs) and set(self.layers) <= set(old["layers"])
+            if not same:
                 raise SpecDecodeError(
                     f"feature cache {self.root} was made for another target, layer set or data; "
                     "delete it or choose another --feature-cache"
                 )
+            if all(self._shard(i).exists() for i in range((len(seqs) + SHARD - 1) // SHARD)):
+                return  # complete: a cache of more layers serves any subset of them
+            self.layers = tuple(old["layers"])  # finish the interrupted build with its layer set
+            self.source = TargetFeatures(self.source.target, self.layers)
         n_tok = sum(len(s.input_ids) for s in seqs)
         size = n_tok * len(self.layers) * self.d * 2
         print(
@@ -81,7 +87,7 @@ class FeatureCache:
             f"{len(self.layers)} layers -> {size / 2**20:.0f} MiB (bf16)"
         )
         self.root.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps({**self.meta, "num_sequences": len(seqs)}))
+        meta_path.write_text(json.dumps({**self.meta, "layers": list(self.layers), "num_sequences": len(seqs)}))
         shards = range((len(seqs) + SHARD - 1) // SHARD)
         for sh in tqdm(shards, desc="target features", disable=not progress, dynamic_ncols=True):
             if self._shard(sh).exists():

@@ -110,5 +110,8 @@ def test_feature_cache_matches_online_features(tiny, regen_dir, tmp_path):
             torch.testing.assert_close(
                 cached[i][b, :n].float(), online[i][b, :n].float(), atol=2e-2, rtol=2e-2
             )
+    sub = FeatureCache(tmp_path / "fc", tiny, (-1,))  # a subset of the cached layers is served
+    sub.build(seqs, progress=False)
+    torch.testing.assert_close(sub(batch)[-1], cached[-1])
     with pytest.raises(SpecDecodeError, match="another target"):
-        FeatureCache(tmp_path / "fc", tiny, (0,)).build(seqs, progress=False)
+        FeatureCache(tmp_path / "fc", tiny, (0,)).build(seqs[:3], progress=False)
