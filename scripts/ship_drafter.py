@@ -37,9 +37,11 @@ def main() -> None:
     data = ""
     if a.data:
         meta = json.loads((Path(a.data) / "meta.json").read_text())
-        data = (f"- Data: {tr['num_sequences']} prompts of `specdecode data build` answered by the target itself "
-                f"(`specdecode data regen`, temperature {meta['temperature']}, up to {meta['max_new_tokens']} new "
-                f"tokens), {tr['num_tokens']} tokens in all.\n")
+        data = (
+            f"- Data: {tr['num_sequences']} prompts of `specdecode data build` answered by the target itself "
+            f"(`specdecode data regen`, temperature {meta['temperature']}, "
+            f"up to {meta['max_new_tokens']} new tokens), {tr['num_tokens']} tokens in all.\n"
+        )
     last = evals[-1] if evals else {}
     lines = [
         f"# {a.name}: {cfg['method']} drafter for {cfg['target']['name']}",
@@ -48,10 +50,11 @@ def main() -> None:
         f"- Target: {cfg['target']['name']} (fingerprint `{cfg['target']['fingerprint']}`); loading it for "
         "another target is refused.",
         data.rstrip("\n") if data else "- Data: see the training config.",
-        f"- Training: {tr['steps']} steps, {tr['wall_clock_s']:.0f} s wall-clock on this project's CPU machine "
+        f"- Training: {tr['steps']} steps, {tr['wall_clock_s']:.0f} s wall-clock on a CPU machine "
         f"(world size {tr.get('world_size', 1)}); config `{json.dumps(tr['config'])}`",
         f"- Served tau (real speculative loop, greedy, K = {tr['config']['eval_num_draft']}, "
-        f"{tr['config']['eval_prompts']} held-out prompts, {tr['config']['eval_max_new_tokens']} new tokens): "
+        f"{tr['config']['eval_prompts']} held-out prompts, "
+        f"{tr['config']['eval_max_new_tokens']} new tokens): "
         f"{last.get('eval_tau', 'n/a')}; per-position acceptance {last.get('eval_acceptance', 'n/a')}",
         f"- Weights: bf16 safetensors, {size:.1f} MB.",
     ]

@@ -115,7 +115,10 @@ def load(
     device: str | None = None,
     max_batch: int = 8,
     verify_mode: str = "rejection",
+    max_model_len: int | None = None,
 ) -> SpecDecode:
+    """policy: fixed, adaptive, scheduled or scheduled-production (policy.py); max_model_len
+    bounds the contexts the scheduled policies profile (default: the model's context)."""
     from specdecode.models.loader import load_model
 
     if method not in METHODS:
@@ -128,12 +131,20 @@ def load(
     drf = build_drafter(method, tgt, drafter, dtype=dtype, device=device)
     if method == "ar":
         k = 0
-    verify_cost, draft_cost = 0.03, drf.cost_per_token
-    if policy == "adaptive" and k > 0:
+    verify_cost, draft_cost, step_cost = 0.03, drf.cost_per_token, None
+    if policy in ("adaptive", "scheduled", "scheduled-production") and k > 0:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
         costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
         verify_cost = [c / costs[0] for c in costs]
         if getattr(drf, "model", None) is not None:
             draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
-    pol = make_policy(policy, k, draft_cost=draft_cost, verify_cost=verify_cost)
+    if policy in ("scheduled", "scheduled-production"):
+        from specdecode.engine.scheduler import StepCostModel
+
+        if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)
+            max_context = max_model_len or tgt.model.info.max_position
+            step_cost = StepCostModel.measured(tgt, max_batch, k + 1, max_context, draft_cost=draft_cost)
+        else:  # nothing to schedule
+            step_cost = StepCostModel.flat()
+    pol = make_policy(policy, k, draft_cost=draft_cost, verify_cost=verify_cost, step_cost=step_cost)
     return SpecDecode(tgt, drf, pol, method, max_batch=max_batch, verify_mode=verify_mode)

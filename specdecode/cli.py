@@ -4,6 +4,9 @@ Contract (other tools rely on it):
   specdecode generate --target MODEL --method {ar,ngram,draft} [--drafter MODEL]
       [--num-draft-tokens K] [--temperature T] [--top-k K] [--top-p P] [--seed S]
       [--max-new-tokens N] [--dtype bf16|fp32] [--chat] (--prompt TEXT | --prompts FILE.jsonl) [--json]
+  specdecode serve --target MODEL --method M [--drafter DIR] [--host 127.0.0.1] [--port 8000]
+      [--max-batch N] [--max-model-len L] [--policy scheduled|...] [--max-queue Q]
+      OpenAI-compatible HTTP server (specdecode/engine/server.py) until SIGINT / SIGTERM.
 With --json: one JSON object per prompt on stdout (id, text, token_ids, num_new_tokens,
 num_steps, tau, accepted_per_position, decode_time_s, tokens_per_s, ...). Without it, text
 streams to stdout and a summary goes to stderr. User errors print one line `error: ...` and
@@ -44,9 +47,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="adaptive",
-        choices=["fixed", "adaptive"],
+        choices=["fixed", "adaptive", "scheduled", "scheduled-production"],
         help="draft-length policy: adaptive (default) picks K per request from its acceptance and "
-        "the measured verify cost; fixed always drafts K",
+        "the measured verify cost; fixed always drafts K; scheduled admits drafts across the batch "
+        "by expected tokens x measured steps/s (DSpark)",
     )
     p.add_argument(
         "--verify-mode",
@@ -115,6 +119,57 @@ def _parser() -> argparse.ArgumentParser:
     db.add_argument("--heldout-fraction", type=float, default=0.05)
     db.add_argument("--seed", type=int, default=0)
     db.add_argument("--overwrite", action="store_true")
+    dr = dsub.add_parser("regen", help="let the target write the responses of a prompt set (resumable)")
+    dr.add_argument("--target", required=True, help="model alias, HF directory or hub id")
+    dr.add_argument("--data", required=True, help="prompt set directory from `specdecode data build`")
+    dr.add_argument("--out", required=True, help="directory for train.jsonl, heldout.jsonl, meta.json")
+    dr.add_argument("--max-new-tokens", type=int, default=256)
+    dr.add_argument("--temperature", type=float, default=0.0)
+    dr.add_argument("--top-p", type=float, default=1.0)
+    dr.add_argument("--batch-size", type=int, default=16)
+    dr.add_argument("--limit", type=int, default=None, help="first N prompts of each split")
+    dr.add_argument("--splits", default="train,heldout")
+    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    dr.add_argument("--device", default=None)
+    dr.add_argument("--overwrite", action="store_true")
+
+    t = sub.add_parser("train", help="train a drafter for a target on its regenerated data (resumable)")
+    t.add_argument("method", help="draft, medusa, mtp, eagle")
+    t.add_argument("--target", required=True, help="model alias, HF directory or hub id")
+    t.add_argument("--data", required=True, help="directory from `specdecode data regen`")
+    t.add_argument("--out", required=True, help="checkpoint directory (rerun to resume)")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--tokens-per-batch", type=int, default=4096)
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=0, help="served-tau evaluation interval (0: at the end)")
+    t.add_argument("--eval-prompts", type=int, default=16)
+    t.add_argument("--feature-cache", default=None, help="directory to cache target features on disk")
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="eagle: draft vocabulary size")
+    t.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test unroll steps")
+    t.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
+    t.add_argument("--num-modules", type=int, default=3, help="mtp: number of chained modules")
+    t.add_argument("--num-layers", type=int, default=4, help="draft: layers of the distilled draft model")
+    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype")
+    t.add_argument("--device", default=None)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    _add_model_args(sv)
+    sv.set_defaults(policy="scheduled", max_batch=8)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-model-len", type=int, default=None, help="served context (default <= 4096)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (then 429)")
+    sv.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds given to in-flight work")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     m = sub.add_parser("models", help="list or install the offline models and prompt sets")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -260,6 +315,18 @@ def _cmd_bench(a) -> None:
 def _cmd_data(a) -> None:
     import json as _json
 
+    if a.data_command == "regen":
+        from specdecode.models.loader import load_model
+        from specdecode.training.regen import regenerate
+
+        target = load_model(a.target, dtype=a.dtype, device=a.device)
+        out = regenerate(
+            target, a.data, a.out, splits=tuple(s for s in a.splits.split(",") if s),
+            max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+            batch_size=a.batch_size, limit=a.limit, seed=a.seed, overwrite=a.overwrite,
+        )
+        print(f"wrote {out}")
+        return
     from specdecode.training.prompts import write_prompt_set
 
     out = write_prompt_set(
@@ -272,6 +339,67 @@ def _cmd_data(a) -> None:
     stats = _json.loads((out / "stats.json").read_text())
     print(
         f"wrote {out}: {stats.get('num_train', '?')} train / {stats.get('num_heldout', '?')} held-out prompts"
+    )
+
+
+def _cmd_train(a) -> None:
+    from specdecode.training.run import run_training
+    from specdecode.training.trainer import TrainConfig
+
+    cfg = TrainConfig(
+        out_dir=a.out,
+        steps=a.steps,
+        lr=a.lr,
+        warmup_steps=a.warmup_steps,
+        grad_accum=a.grad_accum,
+        tokens_per_batch=a.tokens_per_batch,
+        max_len=a.max_len,
+        checkpoint_every=a.checkpoint_every,
+        eval_every=a.eval_every,
+        eval_prompts=a.eval_prompts,
+        seed=a.seed,
+        bf16=a.bf16,
+    )
+    kw = {
+        "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
+        "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
+        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
+        "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers},
+    }.get(a.method, {})
+    run_training(
+        a.method,
+        a.target,
+        a.data,
+        a.out,
+        cfg,
+        kw,
+        dtype=a.dtype,
+        device=a.device,
+        feature_cache=a.feature_cache,
+    )
+    print(f"drafter checkpoint: {a.out}")
+
+
+def _cmd_serve(a) -> None:
+    from specdecode.engine.server import serve
+
+    serve(
+        a.target,
+        a.method,
+        a.drafter,
+        host=a.host,
+        port=a.port,
+        shutdown_grace_s=a.shutdown_grace,
+        log_level=a.log_level,
+        num_draft_tokens=a.num_draft_tokens,
+        policy=a.policy,
+        dtype=a.dtype,
+        device=a.device,
+        max_batch=a.max_batch,
+        max_model_len=a.max_model_len,
+        max_queue=a.max_queue,
+        verify_mode=a.verify_mode,
+        served_model_name=a.served_model_name,
     )
 
 
@@ -300,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             "demo": _cmd_demo,
             "bench": _cmd_bench,
             "data": _cmd_data,
+            "train": _cmd_train,
             "models": _cmd_models,
+            "serve": _cmd_serve,
         }[a.command](a)
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)

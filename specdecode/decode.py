@@ -1,111 +1,81 @@
 """The speculative decoding loop: draft, verify in one target forward, commit, emit.
 
 Contract:
-- `SpeculativeDecoder(target, drafter, policy)` decodes `GenerationRequest`s. `stream()` yields
-  a `StreamEvent` per request per step (new text, new token ids, and the final
-  `GenerationResult` once it finishes); `generate()` returns the results in request order.
-- Up to `max_batch` requests run together; a finished request frees its slot and the next
-  waiting one is prefilled into it between steps. Each step is one target forward over
-  `[last token, drafts...]` for every running request (ragged K per request).
-- The target cache holds every committed token except each request's last one, which opens the
-  next verify block; so a step with no drafts is exactly plain autoregressive decoding (`ar`).
-- Output distribution is exactly the target's (verification is lossless), and at T = 0 the
-  tokens equal greedy decoding. All randomness of a request comes from its own generator
-  seeded with `request.seed`: a request decodes the same alone or in any batch.
+- `SpeculativeDecoder(target, drafter, policy)` decodes `GenerationRequest`s, all at once
+  (`stream()` yields a `StreamEvent` per request per step, `generate()` returns the results in
+  request order) or step by step for a serving engine: `add_request()`, `abort()`,
+  `step() -> events`; `stream()` is a thin loop over `step()`. One thread drives a decoder.
+- Up to `max_batch` requests hold cache slots; a finished or aborted request frees its slot at
+  once and the next waiting one is admitted between steps. A prompt is prefilled in chunks of
+  `prefill_chunk` tokens; with `prefill_budget` set, at most that many prompt tokens are
+  prefilled per step while other requests are decoding (chunked prefill; times the number of
+  prefilling requests per running one, rounded up), so running requests keep streaming while a
+  long prompt is read.
+- Each decode step is one target forward over `[last token, drafts...]` for every running
+  request (ragged K). The target cache holds every committed token except each request's last
+  one, which opens the next verify block; so a step with no drafts is exactly plain
+  autoregressive decoding (`ar`).
+- K per request comes from `policy.choose(states)`; each state carries the request's context
+  length and room first. A policy with `truncate(states, confidences, num_draft)` may shorten a
+  chain whose drafter reports per-position confidences (`Proposal.extras["confidences"]`,
+  [B, K]); it sees only values known before each draft token was drawn, so it stays lossless.
+  A drafter that declares `provides_confidences = True` is asked for `policy.bounds(states)`.
+- Output distribution is exactly the target's (verification is lossless); at T = 0 the tokens
+  equal greedy decoding. Randomness (request.py): the target's token at output position t is
+  sampled with a uniform keyed by (seed, t). Point-mass drafts (ar, n-gram) and
+  `verify_mode="match"` are verified by sample-then-match against those uniforms, which for a
+  point mass accepts with the same probability p(x) as rejection sampling: the output is then
+  the target's own sample for that seed, whatever K, policy or batch. Stochastic drafts under
+  rejection sampling (and trees) use per-step uniforms from the request's generator, so the
+  request decodes the same in any batch given the same K each step; a load-dependent policy
+  (`scheduled`) keeps the distribution exact but may change which sample a seed gives.
 - Stop conditions (EOS, stop strings, max_new_tokens) are applied token by token inside an
   accepted block; tokens after the stop are dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.base import Drafter, Proposal, empty_proposal
 from specdecode.errors import SpecDecodeError
-from specdecode.policy import FixedK, PolicyState
+from specdecode.policy import FixedK
+from specdecode.request import (
+    GenerationRequest,
+    GenerationResult,
+    RunningRequest,
+    StreamEvent,
+    emit,
+)
 from specdecode.sampling import process_logits_batch
 from specdecode.tree import DraftTree, tree_attention_mask, tree_depths
 from specdecode.verify import verify_chain, verify_chain_match, verify_tree
+
+__all__ = ["GenerationRequest", "GenerationResult", "SpeculativeDecoder", "StepStats", "StreamEvent"]
 
 PREFILL_CHUNK = 512
 VERIFY_MODES = ("rejection", "match")
 
 
 @dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    seed: int = 0
-    id: str = "0"
-    ignore_eos: bool = False
+class StepStats:
+    """What the last `step()` did (read by the serving engine's metrics)."""
 
-
-@dataclass
-class GenerationResult:
-    id: str
-    text: str
-    token_ids: list[int]
-    num_new_tokens: int
-    num_steps: int
-    tau: float  # tokens emitted per verification step (accepted + 1), before stop truncation
-    accepted_per_position: list[int]  # how often draft position k (1-based: index k-1) was accepted
-    reached_per_position: list[int]  # how often position k was checked (all earlier accepted)
-    decode_time_s: float
-    prefill_time_s: float
-    tokens_per_s: float
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    prompt_tokens: int = 0
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        """Conditional acceptance rate at each draft position."""
-        return [
-            a / r if r else 0.0
-            for a, r in zip(self.accepted_per_position, self.reached_per_position, strict=True)
-        ]
-
-    def to_json(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["acceptance_per_position"] = [round(x, 4) for x in self.acceptance_per_position]
-        return d
-
-
-@dataclass
-class StreamEvent:
-    request_id: str
-    text: str  # new text since the last event
-    token_ids: list[int]  # new token ids since the last event
-    result: GenerationResult | None = None  # set on the request's final event
-
-
-@dataclass
-class _Running:
-    """A request in a slot."""
-
-    req: GenerationRequest
-    slot: int
-    generator: torch.Generator
-    token_ids: list[int]  # prompt + output; the last one is not yet in the target cache
-    policy_state: PolicyState = field(default_factory=PolicyState)
-    output_ids: list[int] = field(default_factory=list)
-    sent_text: str = ""
-    num_steps: int = 0
-    num_emitted: int = 0
-    accepted: list[int] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)
-    prefill_time: float = 0.0
-    t_start: float = 0.0
-    finish_reason: str | None = None
-
-    def row(self) -> DraftRow:
-        return DraftRow(self.slot, self.token_ids, self.req.params, self.generator)
+    num_rows: int = 0  # requests decoded
+    block: int = 0  # tokens per request in the verify forward (rows are padded to it)
+    num_draft: int = 0  # draft tokens verified
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens emitted, before stop truncation
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
 
 class SpeculativeDecoder:
@@ -116,6 +86,8 @@ class SpeculativeDecoder:
         policy=None,
         max_batch: int = 8,
         verify_mode: str = "rejection",
+        prefill_chunk: int = PREFILL_CHUNK,
+        prefill_budget: int | None = None,
     ):
         if verify_mode not in VERIFY_MODES:
             raise SpecDecodeError(
@@ -123,17 +95,33 @@ class SpeculativeDecoder:
             )
         if max_batch < 1:
             raise SpecDecodeError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1 or (prefill_budget is not None and prefill_budget < 1):
+            raise SpecDecodeError("prefill_chunk and prefill_budget must be >= 1")
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
         self.drafter = drafter
         self.policy = policy if policy is not None else FixedK(0)
         self.max_batch, self.verify_mode = max_batch, verify_mode
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.vocab_size = target.vocab_size
         self.eos_ids = set(target.eos_token_ids)
-        self.cache, self._cache_shape = None, (0, 0)
+        self.cache, self._cache_shape, self._reserved = None, (0, 0), False
         self.draft_time = self.verify_time = 0.0
+        self.last_step = StepStats()
+        self._waiting: deque[GenerationRequest] = deque()
+        self._prefilling: list[RunningRequest] = []
+        self._running: list[RunningRequest] = []
+        self._free: list[int] = []
 
     # ---- set-up -------------------------------------------------------------------------
-    def _check(self, req: GenerationRequest) -> None:
+    @property
+    def k_max(self) -> int:
+        return getattr(self.policy, "k_max", 0)
+
+    def _rows_needed(self, req: GenerationRequest) -> int:
+        return len(req.prompt_ids) + req.max_new_tokens + self.k_max + 2
+
+    def check_request(self, req: GenerationRequest) -> None:
+        """Raise SpecDecodeError (saying what to fix) for a request this decoder cannot serve."""
         ctx = self.model.info.max_position
         if len(req.prompt_ids) == 0:
             raise SpecDecodeError(f"request {req.id!r}: the prompt is empty; give at least one token of text")
@@ -147,74 +135,226 @@ class SpeculativeDecoder:
                 f"({req.max_new_tokens}) exceeds the model's context of {ctx} tokens; "
                 "shorten the prompt or lower max_new_tokens"
             )
+        if self._reserved and self._rows_needed(req) > self._cache_shape[1]:
+            limit = self._cache_shape[1] - self.k_max - 2
+            raise SpecDecodeError(
+                f"request {req.id!r}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                f"({req.max_new_tokens}) exceeds the served context of {limit} tokens; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        """Allocate the cache once, for serving: `num_slots` requests of up to `max_len` rows."""
+        if self.has_unfinished():
+            raise SpecDecodeError("cannot resize the cache while requests are in flight")
+        cap = self.model.info.max_slots
+        if cap is not None and num_slots > cap:
+            raise SpecDecodeError(
+                f"{self.model.info.arch} serves at most {cap} request(s) at a time; "
+                f"lower --max-batch to {cap}"
+            )
+        self._allocate(num_slots, max_len)
+        self._reserved = True
+
+    def _allocate(self, num_slots: int, max_len: int) -> None:
+        self._cache_shape = (num_slots, max_len)
+        self.cache = self.model.new_cache(num_slots, max_len)
+        self.drafter.setup(num_slots, max_len)
+        self._free = list(range(num_slots - 1, -1, -1))
 
     def _ensure_cache(self, requests: list[GenerationRequest]) -> None:
-        k_max = getattr(self.policy, "k_max", 0)
-        need_len = max(len(r.prompt_ids) + r.max_new_tokens + k_max + 2 for r in requests)
-        need_len = min(need_len, self.model.info.max_position + k_max + 2)
+        """Grow the cache for `requests` (only while no slot is in use)."""
+        need_len = max(self._rows_needed(r) for r in requests)
+        need_len = min(need_len, self.model.info.max_position + self.k_max + 2)
         slots = min(self.max_batch, len(requests))
         if slots > self._cache_shape[0] or need_len > self._cache_shape[1]:
-            self._cache_shape = (max(slots, self._cache_shape[0]), max(need_len, self._cache_shape[1]))
-            self.cache = self.model.new_cache(*self._cache_shape)
-            self.drafter.setup(*self._cache_shape)
+            self._allocate(max(slots, self._cache_shape[0]), max(need_len, self._cache_shape[1]))
+
+    # ---- step-wise API ------------------------------------------------------------------
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request; it is admitted into a free slot by a later `step()`."""
+        self.check_request(req)
+        self._waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or in-flight request and free its slot; False if it is not here."""
+        for req in self._waiting:
+            if req.id == request_id:
+                self._waiting.remove(req)
+                return True
+        for group in (self._prefilling, self._running):
+            for r in group:
+                if r.req.id == request_id:
+                    group.remove(r)
+                    self._release(r, started=group is self._running)
+                    return True
+        return False
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (e.g. after an error); returns their ids."""
+        ids = [r.id for r in self._waiting] + [r.req.id for r in self._prefilling + self._running]
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return len(self._prefilling) + len(self._running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def _release(self, r: RunningRequest, started: bool) -> None:
+        if started:
+            self.drafter.stop(r.slot)
+        self.cache.reset(r.slot)
+        self._free.append(r.slot)
 
     @torch.inference_mode()
-    def _admit(self, req: GenerationRequest, slot: int) -> _Running:
+    def step(self) -> list[StreamEvent]:
+        """Admit, prefill (within the budget), decode one step; returns the new events."""
+        stats = self.last_step = StepStats()
+        # 1. Admission into free slots (an idle, unreserved decoder first sizes its cache).
+        if not self._reserved and self._waiting and not self._prefilling and not self._running:
+            self._ensure_cache(list(self._waiting))
+        while self._waiting and self._free and self.num_active < self.max_batch:
+            if not self._reserved and self._rows_needed(self._waiting[0]) > self._cache_shape[1]:
+                break  # waits until the decoder is idle and the cache can grow
+            req = self._waiting.popleft()
+            r = RunningRequest(req, self._free.pop(), list(req.prompt_ids))
+            r.hidden_parts = {i: [] for i in self.drafter.needs_hidden}
+            self.cache.reset(r.slot)
+            self._prefilling.append(r)
+        # 2. Chunked prefill. The budget only applies while others are decoding, and grows with
+        # the number of prompts waiting per running request: a burst of arrivals behind one
+        # running request is read quickly (the batch fills up), while a full batch is stalled
+        # by at most one chunk per step.
         t0 = time.perf_counter()
-        self.cache.reset(slot)
-        prompt = req.prompt_ids
+        budget = None
+        if self.prefill_budget and self._running:
+            budget = self.prefill_budget * -(-len(self._prefilling) // len(self._running))
+        for r in list(self._prefilling):
+            budget = self._prefill(r, budget)
+            if r.prefill_done:
+                self._prefilling.remove(r)
+                self._running.append(r)
+            if budget is not None and budget <= 0:
+                break
+        stats.prefill_s = time.perf_counter() - t0
+        if not self._running:
+            return []
+        # 3. One decode step for every running request, then emission and stop conditions.
+        emitted = self._step(self._running)
+        events, still = [], []
+        for r, new_ids in zip(self._running, emitted, strict=True):
+            event = emit(r, new_ids, self.tokenizer, self.eos_ids)
+            if event.text or event.token_ids or event.result:
+                events.append(event)
+            if r.finish_reason is None:
+                still.append(r)
+            else:
+                self._release(r, started=True)
+        self._running = still
+        return events
+
+    def _prefill(self, r: RunningRequest, budget: int | None) -> int | None:
+        """Prefill chunks of r's prompt (all but its last token) within `budget` tokens."""
+        t0 = time.perf_counter()
+        prompt = r.req.prompt_ids
         dev = self.model.info.device
         capture = self.drafter.needs_hidden
-        parts: dict[int, list[torch.Tensor]] = {i: [] for i in capture}
-        for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
-            chunk = prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)]
-            ids = torch.tensor([chunk], dtype=torch.long, device=dev)  # [1, N]
-            pos = torch.arange(start, start + len(chunk), device=dev)[None]  # [1, N]
-            out = self.model.forward(ids, pos, self.cache, [slot], logits=False, capture=capture)
-            self.cache.commit(slot, len(chunk))
+        end = len(prompt) - 1
+        while r.num_prefilled < end and (budget is None or budget > 0):
+            start = r.num_prefilled
+            size = min(self.prefill_chunk, end - start, budget if budget is not None else end)
+            ids = torch.tensor([prompt[start : start + size]], dtype=torch.long, device=dev)  # [1, N]
+            pos = torch.arange(start, start + size, device=dev)[None]  # [1, N]
+            out = self.model.forward(ids, pos, self.cache, [r.slot], logits=False, capture=capture)
+            self.cache.commit(r.slot, size)
             for i in capture:
-                parts[i].append(out.hidden[i][0])  # [N, d]
-        hidden = {i: torch.cat(p) if p else None for i, p in parts.items()}  # layer -> [P-1, d]
-        self.drafter.start(slot, list(prompt), hidden)
-        gen = torch.Generator().manual_seed(req.seed)
-        run = _Running(req, slot, gen, list(prompt), prefill_time=time.perf_counter() - t0)
-        run.t_start = time.perf_counter()
-        return run
+                r.hidden_parts[i].append(out.hidden[i][0])  # [N, d]
+            r.num_prefilled += size
+            self.last_step.prefill_tokens += size
+            if budget is not None:
+                budget -= size
+        r.prefill_time += time.perf_counter() - t0
+        if r.prefill_done:
+            hidden = {i: torch.cat(p) if p else None for i, p in r.hidden_parts.items()}  # layer -> [P-1, d]
+            r.hidden_parts = {}
+            self.drafter.start(r.slot, list(prompt), hidden)
+            r.t_start = time.perf_counter()
+        return budget
 
     # ---- one step -----------------------------------------------------------------------
-    def _budget(self, r: _Running, k: int) -> int:
+    def _budget(self, r: RunningRequest, k: int) -> int:
         # Never draft past max_new_tokens: the last emitted token is always the target's.
         return max(0, min(k, r.req.max_new_tokens - len(r.output_ids) - 1))
 
+    def _choose(self, running: list[RunningRequest]) -> list[int]:
+        states = [r.policy_state for r in running]
+        for r, st in zip(running, states, strict=True):
+            st.context_len = len(r.token_ids)
+            st.room = self._budget(r, 1 << 30)
+        if getattr(self.drafter, "provides_confidences", False) and hasattr(self.policy, "bounds"):
+            ks = self.policy.bounds(states)
+        else:
+            ks = self.policy.choose(states)
+        return [self._budget(r, k) for r, k in zip(running, ks, strict=True)]
+
+    def _truncate(self, running: list[RunningRequest], prop: Proposal) -> Proposal:
+        """The proposal the policy keeps, if the drafter reported confidences for a chain."""
+        conf = prop.extras.get("confidences")  # [B, K]
+        if conf is None or prop.parents is not None or not hasattr(self.policy, "truncate"):
+            return prop
+        nd = prop.num_draft.cpu()
+        ks = self.policy.truncate([r.policy_state for r in running], conf, nd.tolist())
+        num = torch.minimum(nd, torch.tensor(ks, dtype=torch.long))
+        k = int(num.max()) if len(num) else 0
+        q = None if prop.draft_probs is None else prop.draft_probs[:, :k]
+        return dataclasses.replace(prop, draft_ids=prop.draft_ids[:, :k], num_draft=num, draft_probs=q)
+
     @torch.inference_mode()
-    def _step(self, running: list[_Running]) -> list[list[int]]:
+    def _step(self, running: list[RunningRequest]) -> list[list[int]]:
         """One draft -> verify -> commit round; returns the emitted token ids per request."""
         rows = [r.row() for r in running]
-        # 1. Draft lengths and drafts.
-        ks = [
-            self._budget(r, k)
-            for r, k in zip(running, self.policy.choose([r.policy_state for r in running]), strict=True)
-        ]
+        # 1. Draft lengths and drafts (then the policy may shorten a chain by its confidences).
+        ks = self._choose(running)
         t0 = time.perf_counter()
         prop = self.drafter.propose(rows, ks) if any(ks) else empty_proposal(len(rows))
+        vprop = self._truncate(running, prop)
         t1 = time.perf_counter()
         # 2. One target forward over [last token, drafts...] per request.
-        out, num_draft, depths = self._verify_forward(running, prop)
+        out, num_draft, depths = self._verify_forward(running, vprop)
         # 3. Verification (lossless), then commit the kept rows.
-        if prop.parents is None:
-            accepted, emitted = self._verify(running, prop, out.logits, num_draft)
+        if vprop.parents is None:
+            accepted, emitted = self._verify(running, vprop, out.logits, num_draft)
             for r, n_acc in zip(running, accepted, strict=True):
                 self.cache.commit(r.slot, n_acc + 1)
         else:
-            accepted, emitted = self._verify_tree(running, prop, out.logits, num_draft)
+            accepted, emitted = self._verify_tree(running, vprop, out.logits, num_draft)
+            prop.accepted_nodes = vprop.accepted_nodes
         self.drafter.advance(rows, prop, accepted, out)
         t2 = time.perf_counter()
         self.draft_time += t1 - t0
         self.verify_time += t2 - t1
         # 4. Statistics for the policy and the report (per depth: a chain's depth is its length).
+        st = self.last_step
+        st.num_rows, st.block, st.draft_s, st.verify_s = len(running), vprop.max_k + 1, t1 - t0, t2 - t1
         for b, r in enumerate(running):
             n, n_acc = int(depths[b]), accepted[b]
             self.policy.observe(r.policy_state, n, n_acc)
+            st.num_draft += int(num_draft[b])
+            st.num_accepted += n_acc
+            st.num_emitted += n_acc + 1
             r.num_steps += 1
             r.num_emitted += n_acc + 1
             for j in range(n):
@@ -225,7 +365,7 @@ class SpeculativeDecoder:
                 r.accepted[j] += j < n_acc
         return emitted
 
-    def _verify_forward(self, running: list[_Running], prop: Proposal):
+    def _verify_forward(self, running: list[RunningRequest], prop: Proposal):
         dev = self.model.info.device
         num_draft = prop.num_draft.cpu()  # [B]
         k = prop.max_k
@@ -259,7 +399,7 @@ class SpeculativeDecoder:
         return out, num_draft, depths
 
     def _verify_tree(
-        self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor
+        self, running: list[RunningRequest], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor
     ):
         """Per request: recursive rejection over siblings, then commit the accepted path's rows."""
         params = [r.req.params for r in running]
@@ -278,28 +418,37 @@ class SpeculativeDecoder:
             prop.accepted_nodes.append(v.accepted_nodes.tolist())
         return accepted, emitted
 
-    def _verify(self, running: list[_Running], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor):
+    def _verify(
+        self, running: list[RunningRequest], prop: Proposal, logits: torch.Tensor, num_draft: torch.Tensor
+    ):
         b_sz, k = len(running), prop.max_k
         params = [r.req.params for r in running]
         if all(p.greedy for p in params):
             return self._verify_greedy(prop, logits, num_draft)
         target_probs = process_logits_batch(logits, params, self.vocab_size)  # [B, K+1, V]
-        # Each request draws exactly num_draft + 1 uniforms from its own generator. Chain
-        # verification reads column K for the recovered / bonus token, sample-then-match reads
-        # column n (the row after the last draft): both get the request's last uniform.
+        keyed = self.verify_mode == "match" or prop.draft_probs is None
         uniforms = torch.zeros(b_sz, k + 1)  # [B, K+1]
         for b, r in enumerate(running):
-            n = int(num_draft[b])
-            u = torch.rand(n + 1, generator=r.generator)
-            uniforms[b, : n + 1] = u
-            uniforms[b, k] = u[n]
+            n, t0 = int(num_draft[b]), len(r.output_ids)
+            if keyed:
+                # Sample-then-match: column j samples the target's token at output position t0 + j.
+                uniforms[b, : n + 1] = r.sample_uniforms(t0, n + 1)
+            elif n == 0:
+                # Nothing to verify: sample position t0 as plain decoding would.
+                uniforms[b, k] = r.sample_uniforms(t0, 1)[0]
+            else:
+                # Chain rejection sampling: column j decides draft j, column K samples the
+                # recovered / bonus token; exactly n + 1 uniforms from the request's generator.
+                u = torch.rand(n + 1, generator=r.generator)
+                uniforms[b, : n + 1] = u
+                uniforms[b, k] = u[n]
         uniforms = uniforms.to(target_probs.device)
         draft_ids = prop.draft_ids.to(target_probs.device)
         nd = num_draft.to(target_probs.device)
-        if self.verify_mode == "match":
+        if keyed:
             verdict = verify_chain_match(draft_ids, target_probs, uniforms, nd)
         else:
-            q = prop.draft_probs.to(target_probs.device) if prop.draft_probs is not None else None
+            q = prop.draft_probs.to(target_probs.device)
             verdict = verify_chain(draft_ids, q, target_probs, uniforms, nd)
         accepted = verdict.num_accepted.tolist()
         emitted_all = verdict.emitted_ids.tolist()
@@ -316,103 +465,27 @@ class SpeculativeDecoder:
         ids = target_ids.tolist()
         return accepted, [ids[b][: accepted[b] + 1] for b in range(len(accepted))]
 
-    # ---- emission and stop conditions ---------------------------------------------------
-    def _emit(self, r: _Running, new_ids: list[int]) -> StreamEvent:
-        taken: list[int] = []
-        for tok in new_ids:
-            if tok in self.eos_ids and not r.req.ignore_eos:
-                r.finish_reason = "stop"
-                break
-            taken.append(tok)
-            if len(r.output_ids) + len(taken) >= r.req.max_new_tokens:
-                r.finish_reason = "length"
-                break
-        r.output_ids.extend(taken)
-        r.token_ids.extend(taken)
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        hold = 0
-        for s in r.req.stop:
-            cut = text.find(s, max(0, len(r.sent_text) - len(s)))
-            if cut >= 0:
-                text, r.finish_reason = text[:cut], "stop"
-                r.output_ids = self._trim_ids(r.output_ids, text)
-                break
-        if r.finish_reason is None:
-            # Hold back a tail that could still grow into a stop string, and incomplete UTF-8.
-            for s in r.req.stop:
-                for n in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:n]):
-                        hold = max(hold, n)
-                        break
-            if text.endswith("\ufffd"):
-                hold = max(hold, 1)
-        visible = text[: len(text) - hold] if hold else text
-        new_text = visible[len(r.sent_text) :] if visible.startswith(r.sent_text) else ""
-        r.sent_text = r.sent_text + new_text
-        event = StreamEvent(r.req.id, new_text, taken)
-        if r.finish_reason is not None:
-            event.result = self._result(r, text)
-        return event
-
-    def _trim_ids(self, ids: list[int], text: str) -> list[int]:
-        """Shortest prefix of ids whose text covers `text` (used when a stop string cuts it)."""
-        for n in range(len(ids) + 1):
-            if len(self.tokenizer.decode(ids[:n], skip_special_tokens=True)) >= len(text):
-                return ids[:n]
-        return ids
-
-    def _result(self, r: _Running, text: str) -> GenerationResult:
-        dt = time.perf_counter() - r.t_start
-        n = len(r.output_ids)
-        return GenerationResult(
-            id=r.req.id,
-            text=text,
-            token_ids=list(r.output_ids),
-            num_new_tokens=n,
-            num_steps=r.num_steps,
-            tau=r.num_emitted / max(r.num_steps, 1),
-            accepted_per_position=list(r.accepted),
-            reached_per_position=list(r.reached),
-            decode_time_s=dt,
-            prefill_time_s=r.prefill_time,
-            tokens_per_s=n / dt if dt > 0 else 0.0,
-            finish_reason=r.finish_reason or "length",
-            prompt_tokens=len(r.req.prompt_ids),
-        )
-
-    # ---- public API ---------------------------------------------------------------------
+    # ---- offline API --------------------------------------------------------------------
     def stream(self, requests: Iterable[GenerationRequest]) -> Iterator[StreamEvent]:
-        waiting = list(requests)
-        if not waiting:
+        requests = list(requests)
+        if not requests:
             return
-        ids = [r.id for r in waiting]
+        ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise SpecDecodeError("request ids must be unique within one call")
-        for req in waiting:
-            self._check(req)
-        self._ensure_cache(waiting)
-        waiting.reverse()
-        free = list(range(self._cache_shape[0] - 1, -1, -1))
-        running: list[_Running] = []
+        if self.has_unfinished():
+            raise SpecDecodeError("this decoder is busy with other requests; stream() needs it idle")
+        for req in requests:
+            self.check_request(req)
+        if not self._reserved:
+            self._ensure_cache(requests)
+        for req in requests:
+            self.add_request(req)
         try:
-            while waiting or running:
-                while waiting and free and len(running) < self.max_batch:
-                    running.append(self._admit(waiting.pop(), free.pop()))
-                emitted = self._step(running)
-                still = []
-                for r, new_ids in zip(running, emitted, strict=True):
-                    event = self._emit(r, new_ids)
-                    if event.text or event.token_ids or event.result:
-                        yield event
-                    if r.finish_reason is None:
-                        still.append(r)
-                    else:
-                        self.drafter.stop(r.slot)
-                        free.append(r.slot)
-                running = still
+            while self.has_unfinished():
+                yield from self.step()
         finally:
-            for r in running:  # the consumer stopped early: release the slots
-                self.drafter.stop(r.slot)
+            self.abort_all()  # the consumer stopped early: release the slots
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results = {}

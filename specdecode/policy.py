@@ -15,12 +15,20 @@ is reproducible and a request decodes the same alone or in a batch.
   it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
   recover when the text becomes predictable again. Where the measured costs say that even
   perfect acceptance would not pay, it never drafts.
+- `scheduled` / `scheduled-production` (`specdecode.engine.scheduler.ConfidenceScheduler`): the
+  DSpark prefix scheduler over the whole batch, from measured step costs SPS(B) and per-position
+  survival (the drafter's confidences, else running acceptance statistics kept in
+  `PolicyState`). Its K for a request depends on the load, so unlike the two above it is not a
+  per-request decision (see decode.py for what that means for seeded sampling).
+
+Before each `choose` the loop sets `PolicyState.context_len` (tokens in the request) and
+`PolicyState.room` (drafts the request can still use), which batch-level policies read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
 
@@ -33,6 +41,13 @@ class PolicyState:
     tried: float = 1.5  # decayed count of drafts that were checked (up to the first rejection)
     steps_at_zero: int = 0
     probe_every: int = 0  # current probing interval while at K = 0 (backs off after failed probes)
+    # Set by the loop before each choose(): what batch-level schedulers read.
+    context_len: int = 0  # tokens in the request (prompt + output so far)
+    room: int | None = None  # most drafts the request can still use (None = no limit)
+    last_k: int = 0  # K a batch-level policy asked for in the last step
+    # Decayed per-position counts (index k-1 = draft position k): checked / accepted drafts.
+    pos_reached: list[float] = field(default_factory=list)
+    pos_accepted: list[float] = field(default_factory=list)
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -119,9 +134,26 @@ class AdaptiveK:
         state.tried = self.decay * state.tried + tried
 
 
-def make_policy(name: str, k: int, draft_cost: float = 0.0, verify_cost: float | Sequence[float] = 0.03):
+POLICIES = ("fixed", "adaptive", "scheduled", "scheduled-production")
+
+
+def make_policy(
+    name: str,
+    k: int,
+    draft_cost: float = 0.0,
+    verify_cost: float | Sequence[float] = 0.03,
+    step_cost=None,
+):
+    """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
         return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost)
-    raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: fixed, adaptive")
+    if name in ("scheduled", "scheduled-production"):
+        from specdecode.engine.scheduler import ConfidenceScheduler
+
+        if step_cost is None:
+            raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")
+        variant = "production" if name == "scheduled-production" else "exact"
+        return ConfidenceScheduler(k, step_cost, draft_cost=draft_cost, variant=variant)
+    raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: {', '.join(POLICIES)}")

@@ -9,6 +9,12 @@ same draft-length decisions (a seeded sampled run stays reproducible).
 Why: whether verifying K extra tokens is nearly free depends on the hardware. With AMX (or a
 GPU) a bf16 forward of 8 tokens costs about one of 1 token; on an AVX2-only CPU it costs ~5x.
 The adaptive draft-length policy reads these costs instead of assuming either.
+
+`batch_step_costs(model, fingerprint, rows, blocks, contexts)` is the serving-time profile the
+DSpark-style scheduler reads (SPS, target steps per second): `times[c][r][b]` = seconds of one
+forward of `rows[r]` requests x `blocks[b]` new tokens each over `contexts[c]` committed tokens
+per request (the loop pads ragged blocks, so that is the work a verify step does). It is cached
+the same way, under a key that also names the grid.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -82,3 +89,87 @@ def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
     )
     os.replace(tmp, path)
     return costs
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.inference_mode()
+def measure_batch_costs(
+    model,
+    rows: Sequence[int],
+    blocks: Sequence[int],
+    contexts: Sequence[int],
+    min_time: float = 0.02,
+    passes: int = 3,
+) -> list[list[list[float]]]:
+    """times[c][r][b]: wall seconds of a forward of [rows[r], blocks[b]] tokens at contexts[c].
+
+    Each point is the fastest of its runs: `passes` sweeps over the whole grid (so a burst of
+    other work on a shared machine cannot skew one region of it), each run repeated until
+    `min_time` has passed, after one warm-up at the largest shape. The minimum is the stable
+    statistic on a shared machine.
+    """
+    num_rows, max_block, max_ctx = max(rows), max(blocks), max(contexts)
+    cache = model.new_cache(num_rows, max_ctx + max_block + 1)
+    dev = model.info.device
+    ids = torch.randint(0, model.info.vocab_size, (num_rows, max_ctx + max_block), device=dev)
+    # The K/V values do not change the timing: prefill one slot and copy it to the others.
+    fill = num_rows if not hasattr(cache, "kv") else 1
+    for s in range(fill):
+        for c0 in range(0, max_ctx, 512):
+            c1 = min(max_ctx, c0 + 512)
+            model.forward(ids[s : s + 1, c0:c1], torch.arange(c0, c1, device=dev)[None], cache, [s])
+            cache.commit(s, c1 - c0)
+    if fill == 1 and num_rows > 1:
+        cache.kv[:, :, 1:num_rows] = cache.kv[:, :, :1]
+    slots = list(range(num_rows))
+
+    def run(n_rows: int, block: int, ctx: int) -> float:
+        for s in slots:
+            cache.lengths[s] = ctx  # forward never commits, so lengths stay put between runs
+        x = ids[:n_rows, ctx : ctx + block]
+        pos = torch.arange(ctx, ctx + block, device=dev)[None].expand(n_rows, block)
+        _sync(dev)
+        t0 = time.perf_counter()
+        model.forward(x, pos, cache, slots[:n_rows])
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    run(num_rows, max_block, max_ctx)  # warm-up
+    times = [[[float("inf")] * len(blocks) for _ in rows] for _ in contexts]
+    for _ in range(passes):
+        for c, ctx in enumerate(contexts):
+            for r, n_rows in enumerate(rows):
+                for b, block in enumerate(blocks):
+                    spent, n = 0.0, 0
+                    while n < 1 or (spent < min_time and n < 4):
+                        t = run(n_rows, block, ctx)
+                        times[c][r][b] = min(times[c][r][b], t)
+                        spent, n = spent + t, n + 1
+    return times
+
+
+def batch_step_costs(
+    model, fingerprint: str, rows: Sequence[int], blocks: Sequence[int], contexts: Sequence[int]
+) -> list[list[list[float]]]:
+    """Cached `measure_batch_costs` for this grid."""
+    from specdecode.assets import cache_dir
+
+    grid = f"v2|rows={list(rows)}|blocks={list(blocks)}|contexts={list(contexts)}"
+    key = hashlib.sha256(f"{_key(model, fingerprint)}|{grid}".encode()).hexdigest()[:24]
+    path = cache_dir() / "profiles" / f"batch-{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("grid") == grid:
+            return data["times"]
+    except (OSError, ValueError, KeyError):
+        pass
+    times = measure_batch_costs(model, rows, blocks, contexts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"grid": grid, "times": times, "dtype": str(model.info.dtype)}))
+    os.replace(tmp, path)
+    return times

@@ -19,6 +19,7 @@ DEFAULT_NUM_DRAFT = {
     "draft": 5,
     "medusa": 4,
     "medusa-tree": 16,
+    "mtp": 3,
     "eagle": 4,
     "eagle-tree": 16,
 }

@@ -87,7 +87,9 @@ class FeatureCache:
             f"{len(self.layers)} layers -> {size / 2**20:.0f} MiB (bf16)"
         )
         self.root.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps({**self.meta, "layers": list(self.layers), "num_sequences": len(seqs)}))
+        meta_path.write_text(
+            json.dumps({**self.meta, "layers": list(self.layers), "num_sequences": len(seqs)})
+        )
         shards = range((len(seqs) + SHARD - 1) // SHARD)
         for sh in tqdm(shards, desc="target features", disable=not progress, dynamic_ncols=True):
             if self._shard(sh).exists():

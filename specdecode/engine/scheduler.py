@@ -1,0 +1,311 @@
+"""Confidence-scheduled speculation (DSpark Algorithm 1, METHODS.md section 7) and its SPS profile.
+
+Contract:
+- `StepCostModel.time(rows, block, context)` predicts the seconds of one decode step: a target
+  forward of `rows` requests x `block` tokens each (the loop pads ragged blocks, so the longest
+  block sets the work) over `context` committed tokens, plus drafting `block - 1` tokens at
+  `draft_cost` target steps each. `sps(rows, block, context)` = 1 / time: SPS(B) for
+  B = rows x block tokens. `StepCostModel.measured(...)` reads the profile of `profile.py`
+  (measured once per machine and cached); `flat` / `linear` are synthetic models for tests.
+- `ConfidenceScheduler` is a draft-length policy for the whole batch (same interface as
+  `policy.FixedK`: `choose(states)`, `observe(state, num_draft, num_accepted)`, plus
+  `bounds(states)` and `truncate(states, confidences, num_draft)` for drafters that report
+  per-position confidences in `Proposal.extras["confidences"]` ([B, K], c_k = P(draft k accepted
+  | drafts 1..k-1 accepted), known before draft k is drawn).
+  Candidates (request q, position j) carry prefix survival a_{q,j} = prod_{i<=j} c_{q,i}; they are
+  sorted by a descending (ties: earlier position, then row); starting from one token per request
+  (tau = R), a candidate is admitted while Theta = tau x SPS(B) grows, and the scan stops at the
+  first candidate that does not raise Theta. `variant="production"`: the number of draft tokens
+  is the unconstrained best count found on the confidences of two steps earlier (per request,
+  scaled to the current batch), and this step admits the top ones by current survival.
+- Drafters without confidences: c_{q,j} is estimated from running statistics, per request and
+  per position (decayed counts), shrunk towards the batch-wide per-position rate (statistics are
+  already from earlier steps, so both variants schedule them the same way); a request
+  stuck at K = 0 probes one draft now and then (backing off) where the measured costs say a
+  draft could pay at the current load. If even perfect acceptance cannot pay (the costs of this
+  machine, load and context), no request drafts: speculation turns itself off.
+- Lossless: every decision depends on statistics of earlier steps, or on a confidence c_{q,j}
+  that is known before x_{q,j} is drawn; the early stop (exact) and the position tie-break
+  (production) keep a draft's admission independent of its own token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdecode.errors import SpecDecodeError
+from specdecode.policy import PolicyState
+
+PROFILE_CONTEXTS = (256, 1024)
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extrapolated linearly past both ends (xs ascending)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass
+class StepCostModel:
+    rows: list[int]  # measured batch sizes, ascending
+    blocks: list[int]  # measured tokens per request, ascending (1 first)
+    contexts: list[int]  # measured committed lengths, ascending
+    times: list[list[list[float]]]  # [context][rows][block] seconds
+    draft_cost: float = 0.0  # one drafted position, in target steps of the same batch (block 1)
+
+    def target_time(self, rows: int, block: int, context: int) -> float:
+        per_ctx = []
+        for grid in self.times:
+            by_rows = [_interp(self.blocks, line, block) for line in grid]
+            per_ctx.append(_interp(self.rows, by_rows, rows))
+        return _interp(self.contexts, per_ctx, context) if len(per_ctx) > 1 else per_ctx[0]
+
+    def time(self, rows: int, block: int, context: int) -> float:
+        t = self.target_time(rows, block, context)
+        if block > 1 and self.draft_cost > 0:
+            t += (block - 1) * self.draft_cost * self.target_time(rows, 1, context)
+        return t
+
+    def sps(self, rows: int, block: int, context: int) -> float:
+        """Steps per second at B = rows x block tokens."""
+        return 1.0 / self.time(rows, block, context)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def measured(cls, target, max_rows: int, max_block: int, max_context: int, draft_cost: float = 0.0):
+        """The cached profile of `target` (a LoadedModel) on this machine (profile.py)."""
+        from specdecode.profile import batch_step_costs
+
+        cap = target.model.info.max_slots or max_rows
+        rows = sorted(
+            {r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r < min(max_rows, cap)} | {min(max_rows, cap)}
+        )
+        blocks = sorted({b for b in (1, 2, 3, 5, 8, 12, 16) if b < max_block} | {max_block})
+        hi = max(16, max_context - max_block - 1)
+        contexts = sorted({min(c, hi) for c in PROFILE_CONTEXTS})
+        times = batch_step_costs(target.model, target.fingerprint, rows, blocks, contexts)
+        return cls(rows, blocks, contexts, times, draft_cost)
+
+    @classmethod
+    def linear(cls, per_token: float, fixed: float = 0.0, draft_cost: float = 0.0, max_rows: int = 64):
+        """time = fixed + per_token x rows x block: verification is never cheap (compute-bound)."""
+        rows, blocks = [1, max_rows], [1, 16]
+        grid = [[fixed + per_token * r * b for b in blocks] for r in rows]
+        return cls(rows, blocks, [0], [grid], draft_cost)
+
+    @classmethod
+    def flat(cls, step: float = 1.0, per_token: float = 0.0, draft_cost: float = 0.0, max_rows: int = 64):
+        """time = step + per_token x rows x block: verifying extra tokens is (nearly) free."""
+        return cls.linear(per_token, fixed=step, draft_cost=draft_cost, max_rows=max_rows)
+
+
+class ConfidenceScheduler:
+    """DSpark's hardware-aware prefix scheduler as a draft-length policy (see module docstring)."""
+
+    PRIOR = 0.5  # per-position acceptance before anything is observed
+    PRIOR_WEIGHT = 2.0  # pseudo-counts of the batch-wide rate in a request's estimate
+    MIN_GAIN = 1.05  # a statistics-based schedule must promise 5 % over plain decoding (noisy estimates)
+
+    def __init__(
+        self,
+        k_max: int,
+        cost: StepCostModel,
+        draft_cost: float | None = None,
+        variant: str = "exact",
+        decay: float = 0.9,
+        probe_every: int = 8,
+    ):
+        if k_max < 0:
+            raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
+        if variant not in ("exact", "production"):
+            raise SpecDecodeError(f"unknown scheduler variant {variant!r}; choose exact or production")
+        if draft_cost is not None:
+            cost.draft_cost = draft_cost
+        self.k_max, self.cost, self.variant = k_max, cost, variant
+        self.decay, self.probe_every = decay, probe_every
+        self.global_reached = [0.0] * k_max  # batch-wide decayed counts per position
+        self.global_accepted = [0.0] * k_max
+        self._budgets: deque[float] = deque(maxlen=2)  # production: draft tokens per request
+        self.last_budget = 0  # draft tokens the last schedule admitted (for metrics)
+        self._time_memo: dict[tuple[int, int], list[float]] = {}
+
+    CONTEXT_BUCKET = 64  # step times are looked up per 64 tokens of context
+
+    def _step_times(self, rows: int, context: int) -> list[float]:
+        """[0, time(rows, 1), ..., time(rows, k_max + 1)] at this context (memoised)."""
+        key = (rows, context // self.CONTEXT_BUCKET)
+        times = self._time_memo.get(key)
+        if times is None:
+            if len(self._time_memo) > 4096:
+                self._time_memo.clear()
+            ctx = key[1] * self.CONTEXT_BUCKET
+            times = [0.0] + [self.cost.time(rows, b, ctx) for b in range(1, self.k_max + 2)]
+            self._time_memo[key] = times
+        return times
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _rate(self, st: PolicyState, j: int) -> float:
+        """Estimated P(draft j+1 accepted | drafts 1..j accepted) for this request."""
+        g_r, g_a = self.global_reached[j], self.global_accepted[j]
+        prior = (g_a + self.PRIOR * self.PRIOR_WEIGHT) / (g_r + self.PRIOR_WEIGHT)
+        r = st.pos_reached[j] if j < len(st.pos_reached) else 0.0
+        a = st.pos_accepted[j] if j < len(st.pos_accepted) else 0.0
+        return (a + prior * self.PRIOR_WEIGHT) / (r + self.PRIOR_WEIGHT)
+
+    def observe(self, state: PolicyState, num_draft: int, num_accepted: int) -> None:
+        # A position asked for but not proposed (an n-gram without a match) yields nothing while
+        # its padded column is paid for: it counts as a rejection, so survival estimates
+        # P(proposed and accepted), the quantity the expected tokens need.
+        asked = max(num_draft, state.last_k)
+        state.last_k = 0
+        if asked <= 0:
+            return
+        while len(state.pos_reached) < self.k_max:
+            state.pos_reached.append(0.0)
+            state.pos_accepted.append(0.0)
+        for j in range(min(asked, self.k_max)):
+            reached = j <= num_accepted
+            # Decay only the positions that got a new observation, so rarely reached ones keep
+            # their evidence.
+            if reached:
+                ok = float(j < num_accepted)
+                state.pos_reached[j] = self.decay * state.pos_reached[j] + 1.0
+                state.pos_accepted[j] = self.decay * state.pos_accepted[j] + ok
+                self.global_reached[j] = 0.99 * self.global_reached[j] + 1.0
+                self.global_accepted[j] = 0.99 * self.global_accepted[j] + ok
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def _caps(self, states: list[PolicyState]) -> list[int]:
+        return [self.k_max if st.room is None else max(0, min(self.k_max, st.room)) for st in states]
+
+    def bounds(self, states: list[PolicyState]) -> list[int]:
+        """Upper bounds before drafting, for drafters that report confidences."""
+        return self._caps(states) if self._may_pay(states) else [0] * len(states)
+
+    def _may_pay(self, states: list[PolicyState]) -> bool:
+        """Could any schedule beat plain decoding at this load and context, even at acceptance 1?"""
+        if self.k_max == 0 or not states:
+            return False
+        rows = len(states)
+        step_time = self._step_times(rows, max(st.context_len for st in states))
+        base = rows / step_time[1]
+        caps = self._caps(states)
+        for block in range(2, self.k_max + 2):
+            tau = rows + sum(min(c, block - 1) for c in caps)
+            if tau / step_time[block] > base * self.MIN_GAIN:
+                return True
+        return False
+
+    def choose(self, states: list[PolicyState]) -> list[int]:
+        """K per request from running acceptance statistics (no confidences needed)."""
+        self.last_budget = 0
+        if not self._may_pay(states):
+            return [0] * len(states)
+        survival = []
+        for st, cap in zip(states, self._caps(states), strict=True):
+            a, row = 1.0, []
+            for j in range(cap):
+                a *= self._rate(st, j)
+                row.append(a)
+            survival.append(row)
+        # Statistics are fixed before drafting, so no decision here can depend on a draft token:
+        # the scan may look past a non-increase (a new block length costs a whole padded column
+        # at once, and the following candidates of that column are free).
+        ks, theta, base = self._scan(survival, states, early_stop=False)
+        if theta <= base * self.MIN_GAIN:
+            ks = [0] * len(states)
+        self._probe(states, ks)
+        for st, k in zip(states, ks, strict=True):
+            st.last_k = k
+        self.last_budget = sum(ks)
+        return ks
+
+    def truncate(self, states: list[PolicyState], confidences, num_draft: Sequence[int]) -> list[int]:
+        """K per request from the proposal's confidences ([B, K] tensor), at most num_draft[b]."""
+        conf = confidences.float().clamp(0.0, 1.0).cpu().cumprod(dim=1).tolist()  # [B, K] survival
+        caps = self._caps(states)
+        survival = [row[: min(int(n), c)] for row, n, c in zip(conf, num_draft, caps, strict=True)]
+        if self.variant == "exact":
+            ks, _, _ = self._scan(survival, states, early_stop=True)
+        else:
+            rows = len(states)
+            budget = round(self._budgets[0] * rows) if len(self._budgets) == 2 else None
+            # The unconstrained best count on today's confidences is the budget two steps on.
+            best, _, _ = self._scan(survival, states, early_stop=False)
+            self._budgets.append(sum(best) / max(rows, 1))
+            if budget is None:  # no history yet: this step's exact schedule
+                ks, _, _ = self._scan(survival, states, early_stop=True)
+            else:
+                ks = [0] * rows
+                for _, j, q in self._sorted(survival)[:budget]:
+                    ks[q] = max(ks[q], j + 1)
+        for st, k in zip(states, ks, strict=True):
+            st.last_k = k
+        self.last_budget = sum(ks)
+        return ks
+
+    @staticmethod
+    def _sorted(survival: list[list[float]]) -> list[tuple[float, int, int]]:
+        # Survival never grows along a request, so the position tie-break keeps prefixes whole.
+        cands = [(a, j, q) for q, row in enumerate(survival) for j, a in enumerate(row)]
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        return cands
+
+    def _scan(
+        self, survival: list[list[float]], states: list[PolicyState], early_stop: bool
+    ) -> tuple[list[int], float, float]:
+        """Admit candidates by survival; returns (K per request, Theta reached, Theta of K = 0).
+
+        early_stop (Algorithm 1): stop at the first candidate that does not raise
+        Theta = tau x SPS(B). Otherwise keep the prefix of the sorted list with the best Theta.
+        """
+        rows = len(survival)
+        step_time = self._step_times(rows, max((st.context_len for st in states), default=0))
+        tau, block = float(rows), 1
+        theta = base = best = tau / step_time[1]
+        admitted: list[tuple[int, int]] = []
+        best_n = 0
+        for a, j, q in self._sorted(survival):
+            nb = max(block, j + 2)
+            th = (tau + a) / step_time[nb]
+            if early_stop and th <= theta:
+                break
+            tau, block, theta = tau + a, nb, th
+            admitted.append((q, j))
+            if th > best:
+                best, best_n = th, len(admitted)
+        ks = [0] * rows
+        for q, j in admitted[:best_n]:
+            ks[q] = max(ks[q], j + 1)
+        return ks, best, base
+
+    def _probe(self, states: list[PolicyState], ks: list[int]) -> None:
+        """A request held at K = 0 tries one draft now and then, so its estimate can recover.
+
+        Probes ride along when the step verifies drafts anyway (the padded block is paid for);
+        otherwise they fire only where one more token per request costs under 25 % of a step.
+        """
+        due = []
+        for q, st in enumerate(states):
+            if ks[q] > 0 or (st.room is not None and st.room < 1):
+                st.steps_at_zero, st.probe_every = 0, 0
+                continue
+            st.probe_every = st.probe_every or self.probe_every
+            st.steps_at_zero += 1
+            if st.steps_at_zero >= st.probe_every:
+                due.append(q)
+        if not due:
+            return
+        step_time = self._step_times(len(states), max(st.context_len for st in states))
+        if max(ks) == 0 and step_time[2] > 1.25 * step_time[1]:
+            return
+        for q in due:
+            st = states[q]
+            ks[q], st.steps_at_zero = 1, 0
+            st.probe_every = min(2 * st.probe_every, 64)
