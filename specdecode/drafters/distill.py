@@ -24,6 +24,7 @@ from torch import nn
 
 from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.layers import shifted_kl
 from specdecode.models.base import FINAL_NORM
 
 
@@ -56,19 +57,10 @@ class DistillLoss(nn.Module):
     def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
         w = self._frozen[0].to(batch["input_ids"].device)
         h = self.small.model(input_ids=batch["input_ids"]).last_hidden_state.float()  # [B, T, d] normed
-        logq = torch.log_softmax(h @ w.T, -1)  # [B, T, Vd]
         with torch.no_grad():
-            p = torch.softmax(feats[FINAL_NORM].float() @ w.T, -1)
-        T = h.shape[1]
-        pos = torch.arange(T, device=h.device)
+            target_logits = feats[FINAL_NORM].float() @ w.T  # [B, T, Vd]
         # Row t predicts token t+1: train where that token is a response token.
-        m = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1)).float()
-        m = m * (pos[None] + 1 < batch["lengths"][:, None]).float()
-        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
-        n = m.sum().clamp(min=1.0)
-        with torch.no_grad():
-            acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
-        loss = (kl * m).sum() / n
+        loss, acc = shifted_kl(h @ w.T, target_logits, batch["loss_mask"], batch["lengths"], shift=0)
         return loss, {"loss_1": float(loss.detach()), "acc_1": float(acc)}
 
 

@@ -8,6 +8,9 @@ Contract:
   decides what the queries attend to (training-time-test blocks, a per-slot KV cache, a tree).
 - `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
+- `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
+- `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
+  every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
 Legend: B batch, N query rows, M key rows, H heads, Hk KV heads, D head dim, d model width.
 """
 
@@ -75,3 +78,36 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def draft_to_full_logits(small: torch.Tensor, d2t: torch.Tensor, vocab_rows: int) -> torch.Tensor:
+    """[B, Vd] draft-vocabulary logits -> [B, V] fp32 target-vocabulary logits (-inf elsewhere)."""
+    full = torch.full((small.shape[0], vocab_rows), float("-inf"), device=small.device)
+    return full.index_copy_(1, d2t.to(small.device), small.float())
+
+
+def shifted_kl(
+    draft_logits: torch.Tensor,  # [B, T, Vd]: row t predicts the token at t + shift + 1
+    target_logits: torch.Tensor,  # [B, T, Vd]: the target's logits at each position
+    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
+    lengths: torch.Tensor,  # [B] valid rows
+    shift: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean KL(target || drafter) and argmax agreement for predictions `shift` rows ahead.
+
+    The target's distribution for the token at t + shift + 1 is its output at row t + shift; rows
+    count where that token is a response token inside the sequence. KL = soft CE - H(target): the
+    same gradient as the soft cross-entropy, and 0 for a perfect drafter.
+    """
+    T = draft_logits.shape[1]
+    pos = torch.arange(T, device=draft_logits.device)
+    tgt = F.pad(target_logits[:, shift:], (0, 0, 0, shift))  # [B, T, Vd]
+    m = F.pad(loss_mask[:, shift + 1 :], (0, shift + 1)).float()  # [B, T]
+    m = m * (pos[None] + shift + 1 < lengths[:, None]).float()
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    p = torch.softmax(tgt.float(), dim=-1)
+    kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)  # [B, T]
+    n = m.sum().clamp(min=1.0)
+    with torch.no_grad():
+        acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
+    return (kl * m).sum() / n, acc

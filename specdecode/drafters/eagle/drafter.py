@@ -31,7 +31,7 @@ import torch
 
 from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.drafters.eagle.model import Eagle3
-from specdecode.drafters.layers import attend, rope_table
+from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import process_logits_batch, sample
 
@@ -146,9 +146,7 @@ class EagleDrafter(Drafter):
     # ---- propose --------------------------------------------------------------------------
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[B, d] states -> [B, V] fp32 logits over the target vocab (-inf off the draft vocab)."""
-        small = self.net.logits(out).float()  # [B, Vd]
-        full = torch.full((out.shape[0], self.vocab_rows), float("-inf"), device=self.device)
-        return full.index_copy_(1, self.net.d2t, small)
+        return draft_to_full_logits(self.net.logits(out), self.net.d2t, self.vocab_rows)
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, rope_table
+from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, rope_table, shifted_kl
 
 
 @dataclass
@@ -168,24 +168,11 @@ def ttt_loss(
     decay: float = 0.8,
 ) -> tuple[torch.Tensor, dict]:
     """Training-time-test loss (see module docstring); returns (loss, {"acc_j": ..., "loss_j": ...})."""
-    T = input_ids.shape[1]
-    pos = torch.arange(T, device=input_ids.device)
     total, weight_sum, logs = 0.0, 0.0, {}
     for j, out in enumerate(ttt_forward(model, embed, feats, input_ids, lengths, num_steps)):
-        shift = 1 + j
         # Row t's prediction (x_{t+2+j}) is checked against the target's logits at t+1+j.
-        tgt = F.pad(target_logits[:, shift:], (0, 0, 0, shift))  # [B, T, Vd]
-        m = F.pad(loss_mask[:, shift + 1 :], (0, shift + 1)).float()  # [B, T]
-        m = m * (pos[None] + shift + 1 < lengths[:, None]).float()
-        logq = torch.log_softmax(model.logits(out).float(), dim=-1)
-        p = torch.softmax(tgt.float(), dim=-1)
-        # KL(p || q) = CE - H(p): same gradient as the soft CE, and 0 at a perfect drafter.
-        ce = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)  # [B, T]
-        n = m.sum().clamp(min=1.0)
-        step_loss = (ce * m).sum() / n
+        step_loss, acc = shifted_kl(model.logits(out), target_logits, loss_mask, lengths, shift=1 + j)
         total = total + decay**j * step_loss
         weight_sum += decay**j
-        with torch.no_grad():
-            acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
         logs[f"loss_{j}"], logs[f"acc_{j}"] = float(step_loss.detach()), float(acc)
     return total / weight_sum, logs

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.drafters.layers import shifted_kl
+
 
 @dataclass
 class MedusaConfig:
@@ -68,22 +70,12 @@ def medusa_loss(
     lengths: torch.Tensor,  # [B]
     decay: float = 0.8,
 ) -> tuple[torch.Tensor, dict]:
-    T = h.shape[1]
-    pos = torch.arange(T, device=h.device)
     logits = model(h)  # [B, T, K, Vd]
     total, wsum, logs = 0.0, 0.0, {}
     for k in range(1, model.cfg.num_heads + 1):
         # Head k at row t predicts x_{t+k+1}; the target's distribution for it sits at row t+k.
-        tgt = F.pad(target_logits[:, k:], (0, 0, 0, k))  # [B, T, Vd]
-        m = F.pad(loss_mask[:, k + 1 :], (0, k + 1)).float() * (pos[None] + k + 1 < lengths[:, None]).float()
-        logq = torch.log_softmax(logits[:, :, k - 1].float(), -1)
-        p = torch.softmax(tgt.float(), -1)
-        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)  # [B, T]
-        n = m.sum().clamp(min=1.0)
-        step = (kl * m).sum() / n
+        step, acc = shifted_kl(logits[:, :, k - 1], target_logits, loss_mask, lengths, shift=k)
         total = total + decay**k * step
         wsum += decay**k
-        with torch.no_grad():
-            acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
         logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
     return total / wsum, logs

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
-from specdecode.drafters.layers import attend, rope_table
+from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import process_logits_batch, sample
@@ -109,9 +109,7 @@ class MTPDrafter(Drafter):
             hist[k] = torch.cat([hist[k], out])
 
     def _q(self, k: int, state: torch.Tensor, row: DraftRow) -> torch.Tensor:
-        small = self.net.logits(k, state[None]).float()  # [1, Vd]
-        full = torch.full((1, self.vocab_rows), float("-inf"), device=self.device)
-        full.index_copy_(1, self.net.d2t, small)
+        full = draft_to_full_logits(self.net.logits(k, state[None]), self.net.d2t, self.vocab_rows)  # [1, V]
         return process_logits_batch(full[:, None], [row.params], self.vocab_size)[0, 0]  # [V]
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, attend, rope_table
+from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, attend, rope_table, shifted_kl
 
 
 @dataclass
@@ -114,20 +114,11 @@ def mtp_forward(model: MTP, embed, h0: torch.Tensor, input_ids: torch.Tensor, le
 
 def mtp_loss(model: MTP, embed, h0, target_logits, input_ids, loss_mask, lengths, weight: float = 1.0):
     """(lambda / D) sum_k KL at each depth; returns (loss, logs)."""
-    T = input_ids.shape[1]
-    pos = torch.arange(T, device=input_ids.device)
     total, logs = 0.0, {}
     outs = mtp_forward(model, embed, h0, input_ids, lengths)
     for k, h in enumerate(outs, start=1):
-        tgt = F.pad(target_logits[:, k:], (0, 0, 0, k))  # [B, T, Vd] target at position i+k
-        m = F.pad(loss_mask[:, k + 1 :], (0, k + 1)).float() * (pos[None] + k + 1 < lengths[:, None]).float()
-        logq = torch.log_softmax(model.logits(k, h).float(), -1)
-        p = torch.softmax(tgt.float(), -1)
-        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
-        n = m.sum().clamp(min=1.0)
-        step = (kl * m).sum() / n
+        # Module k at row i predicts t_{i+k+1}; the target's distribution for it sits at row i+k.
+        step, acc = shifted_kl(model.logits(k, h), target_logits, loss_mask, lengths, shift=k)
         total = total + step
-        with torch.no_grad():
-            acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
         logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
     return weight * total / len(outs), logs
