@@ -116,9 +116,11 @@ def load(
     max_batch: int = 8,
     verify_mode: str = "rejection",
     max_model_len: int | None = None,
+    drafter_options: dict | None = None,
 ) -> SpecDecode:
     """policy: fixed, adaptive, scheduled or scheduled-production (policy.py); max_model_len
-    bounds the contexts the scheduled policies profile (default: the model's context)."""
+    bounds the contexts the scheduled policies profile (default: the model's context);
+    drafter_options: method-specific drafter settings (dspark: confidence_threshold, threshold_on)."""
     from specdecode.models.loader import load_model
 
     if method not in METHODS:
@@ -128,7 +130,7 @@ def load(
         raise SpecDecodeError(f"num_draft_tokens must be >= 0, got {k}")
     # A LoadedModel can be passed to share one target between several methods.
     tgt = load_model(target, dtype=dtype, device=device) if isinstance(target, str) else target
-    drf = build_drafter(method, tgt, drafter, dtype=dtype, device=device)
+    drf = build_drafter(method, tgt, drafter, dtype=dtype, device=device, options=drafter_options)
     if method == "ar":
         k = 0
     verify_cost, draft_cost, step_cost = 0.03, drf.cost_per_token, None

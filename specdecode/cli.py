@@ -20,6 +20,7 @@ import json
 import sys
 import time
 
+from specdecode.drafters import METHODS
 from specdecode.errors import SpecDecodeError
 
 DEMO_PROMPTS = [
@@ -41,8 +42,13 @@ DEMO_PROMPTS = [
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="alias, Hugging Face directory or hub id")
-    p.add_argument("--method", default="ar", help="ar, ngram or draft")
-    p.add_argument("--drafter", default=None, help="drafter model for --method draft")
+    p.add_argument("--method", default="ar", help="one of: " + ", ".join(METHODS))
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter: a model for --method draft, a trained checkpoint directory for the learned "
+        "methods (default: the drafter shipped for the target, if any)",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K, draft tokens per step")
     p.add_argument(
         "--policy",
@@ -61,6 +67,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=None,
+        help="dspark: stop a request's draft at the first position whose confidence is below this",
+    )
+    p.add_argument(
+        "--threshold-on",
+        default=None,
+        choices=["survival", "confidence"],
+        help="dspark: compare the threshold with the prefix survival a_k (default) or with c_k",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--overwrite", action="store_true")
 
     t = sub.add_parser("train", help="train a drafter for a target on its regenerated data (resumable)")
-    t.add_argument("method", help="draft, medusa, mtp, eagle")
+    t.add_argument("method", help="draft, medusa, mtp, eagle, dflash, dspark")
     t.add_argument("--target", required=True, help="model alias, HF directory or hub id")
     t.add_argument("--data", required=True, help="directory from `specdecode data regen`")
     t.add_argument("--out", required=True, help="checkpoint directory (rerun to resume)")
@@ -156,9 +174,32 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test unroll steps")
     t.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
     t.add_argument("--num-modules", type=int, default=3, help="mtp: number of chained modules")
-    t.add_argument("--num-layers", type=int, default=4, help="draft: layers of the distilled draft model")
+    t.add_argument(
+        "--num-layers", type=int, default=None, help="draft: layers of the draft model (4); dflash/dspark: 2"
+    )
+    t.add_argument("--block-size", type=int, default=None, help="dflash: slots per block (8); dspark: (7)")
+    t.add_argument("--num-anchors", type=int, default=32, help="dflash/dspark: blocks per training sequence")
+    t.add_argument("--markov-rank", type=int, default=256, help="dspark: rank r of the Markov head")
     t.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype")
     t.add_argument("--device", default=None)
+
+    c = sub.add_parser(
+        "calibrate", help="fit DSpark's per-position confidence temperatures (STS) on held-out prompts"
+    )
+    c.add_argument("--target", required=True, help="model alias, HF directory or hub id")
+    c.add_argument(
+        "--drafter", required=True, help="DSpark checkpoint directory (temperatures are written into it)"
+    )
+    c.add_argument(
+        "--data", required=True, help="regenerated data or prompt set directory with heldout.jsonl"
+    )
+    c.add_argument("--num-prompts", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the recorded runs")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--eval-fraction", type=float, default=0.33, help="rounds held out to report the ECE on")
+    c.add_argument("--max-batch", type=int, default=8)
+    c.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    c.add_argument("--device", default=None)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_args(sv)
@@ -180,6 +221,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _drafter_options(a) -> dict:
+    return {"confidence_threshold": a.confidence_threshold, "threshold_on": a.threshold_on}
+
+
 def _cmd_generate(a) -> None:
     import specdecode
     from specdecode.prompts import read_prompts_jsonl
@@ -196,6 +241,7 @@ def _cmd_generate(a) -> None:
         device=a.device,
         max_batch=a.max_batch,
         verify_mode=a.verify_mode,
+        drafter_options=_drafter_options(a),
     )
     kw = dict(
         max_new_tokens=a.max_new_tokens,
@@ -321,9 +367,17 @@ def _cmd_data(a) -> None:
 
         target = load_model(a.target, dtype=a.dtype, device=a.device)
         out = regenerate(
-            target, a.data, a.out, splits=tuple(s for s in a.splits.split(",") if s),
-            max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-            batch_size=a.batch_size, limit=a.limit, seed=a.seed, overwrite=a.overwrite,
+            target,
+            a.data,
+            a.out,
+            splits=tuple(s for s in a.splits.split(",") if s),
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            batch_size=a.batch_size,
+            limit=a.limit,
+            seed=a.seed,
+            overwrite=a.overwrite,
         )
         print(f"wrote {out}")
         return
@@ -364,7 +418,20 @@ def _cmd_train(a) -> None:
         "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
         "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
         "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
-        "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers},
+        "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers or 4},
+        "dflash": {
+            "draft_vocab_size": a.draft_vocab,
+            "num_layers": a.num_layers or 2,
+            "block_size": a.block_size or 8,
+            "num_anchors": a.num_anchors,
+        },
+        "dspark": {
+            "draft_vocab_size": a.draft_vocab,
+            "num_layers": a.num_layers or 2,
+            "block_size": a.block_size or 7,
+            "num_anchors": a.num_anchors,
+            "markov_rank": a.markov_rank,
+        },
     }.get(a.method, {})
     run_training(
         a.method,
@@ -378,6 +445,29 @@ def _cmd_train(a) -> None:
         feature_cache=a.feature_cache,
     )
     print(f"drafter checkpoint: {a.out}")
+
+
+def _cmd_calibrate(a) -> None:
+    from specdecode.drafters.dspark.calibrate import calibrate, format_table
+
+    res = calibrate(
+        a.target,
+        a.drafter,
+        a.data,
+        num_prompts=a.num_prompts,
+        temperature=a.temperature,
+        max_new_tokens=a.max_new_tokens,
+        eval_fraction=a.eval_fraction,
+        dtype=a.dtype,
+        device=a.device,
+        max_batch=a.max_batch,
+    )
+    print(
+        f"{res['prompts']} prompts at T = {res['temperature']}: {res['rounds_fit']} rounds fit, "
+        f"{res['rounds_eval']} rounds evaluated"
+    )
+    print(format_table(res))
+    print(f"wrote the temperatures into {a.drafter}; calibration.json and reliability.png beside them")
 
 
 def _cmd_serve(a) -> None:
@@ -399,6 +489,7 @@ def _cmd_serve(a) -> None:
         max_model_len=a.max_model_len,
         max_queue=a.max_queue,
         verify_mode=a.verify_mode,
+        drafter_options=_drafter_options(a),
         served_model_name=a.served_model_name,
     )
 
@@ -431,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": _cmd_train,
             "models": _cmd_models,
             "serve": _cmd_serve,
+            "calibrate": _cmd_calibrate,
         }[a.command](a)
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ from specdecode.drafters.base import Drafter, DraftRow, Proposal
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import SpecDecodeError
 
-METHODS = ("ar", "ngram", "draft", "medusa", "medusa-tree", "mtp", "eagle", "eagle-tree")
+METHODS = ("ar", "ngram", "draft", "medusa", "medusa-tree", "mtp", "eagle", "eagle-tree", "dflash", "dspark")
 DEFAULT_NUM_DRAFT = {
     "ar": 0,
     "ngram": 6,
@@ -22,19 +22,43 @@ DEFAULT_NUM_DRAFT = {
     "mtp": 3,
     "eagle": 4,
     "eagle-tree": 16,
+    "dflash": 7,
+    "dspark": 7,
 }
 # Learned drafters: method -> (checkpoint method, loader); the checkpoint comes from --drafter DIR
 # or, for a target that has one, the drafter shipped in specdecode/data/drafters/.
-LEARNED = {"medusa": "medusa", "medusa-tree": "medusa", "mtp": "mtp", "eagle": "eagle", "eagle-tree": "eagle"}
+LEARNED = {
+    "medusa": "medusa",
+    "medusa-tree": "medusa",
+    "mtp": "mtp",
+    "eagle": "eagle",
+    "eagle-tree": "eagle",
+    "dflash": "dflash",
+    "dspark": "dspark",
+}
+# Options only some drafters take (from the CLI): option -> the methods that accept it.
+DRAFTER_OPTIONS = {"confidence_threshold": ("dspark",), "threshold_on": ("dspark",)}
 # Default drafter model per target alias for the classic draft-model method.
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 __all__ = ["METHODS", "DraftRow", "Drafter", "Proposal", "build_drafter"]
 
 
-def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="bf16", device=None) -> Drafter:
+def build_drafter(
+    method: str,
+    target,
+    drafter_spec: str | None = None,
+    dtype="bf16",
+    device=None,
+    options: dict | None = None,
+) -> Drafter:
     if method not in METHODS:
         raise SpecDecodeError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    for k in options:
+        if method not in DRAFTER_OPTIONS.get(k, ()):
+            flag = "--" + k.replace("_", "-")
+            raise SpecDecodeError(f"{flag} is only used by --method {', '.join(DRAFTER_OPTIONS.get(k, ()))}")
     if method in ("ar", "ngram") and drafter_spec is not None:
         raise SpecDecodeError(f"--drafter is not used by --method {method}")
     if method == "ar":
@@ -42,7 +66,7 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
     if method == "ngram":
         return NgramDrafter()
     if method in LEARNED:
-        return _learned(method, target, drafter_spec)
+        return _learned(method, target, drafter_spec, options)
     from specdecode.drafters.checkpoint import is_checkpoint, shipped_drafter
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.models.loader import load_model, same_tokenizer
@@ -70,7 +94,7 @@ def build_drafter(method: str, target, drafter_spec: str | None = None, dtype="b
     )
 
 
-def _learned(method: str, target, drafter_spec: str | None) -> Drafter:
+def _learned(method: str, target, drafter_spec: str | None, options: dict) -> Drafter:
     from specdecode.drafters.checkpoint import shipped_drafter
 
     kind = LEARNED[method]
@@ -92,4 +116,12 @@ def _learned(method: str, target, drafter_spec: str | None) -> Drafter:
         from specdecode.drafters.mtp import load_mtp
 
         return load_mtp(path, target)
+    if kind == "dflash":
+        from specdecode.drafters.dflash import load_dflash
+
+        return load_dflash(path, target)
+    if kind == "dspark":
+        from specdecode.drafters.dspark import load_dspark
+
+        return load_dspark(path, target, **options)
     raise AssertionError(kind)

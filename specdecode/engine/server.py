@@ -252,6 +252,7 @@ def build_engine(
     max_queue: int = 64,
     verify_mode: str = "rejection",
     served_model_name: str | None = None,
+    drafter_options: dict | None = None,
 ) -> tuple[Engine, ServeContext]:
     """Load target and drafter, measure what the policy needs, and wrap them in an Engine."""
     import specdecode
@@ -275,6 +276,7 @@ def build_engine(
         max_batch=max_batch,
         verify_mode=verify_mode,
         max_model_len=length,
+        drafter_options=drafter_options,
     )
     engine = Engine(sd.decoder, max_batch, length, max_queue)
     name = served_model_name or (target if isinstance(target, str) else tgt.name)

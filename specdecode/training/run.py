@@ -18,6 +18,8 @@ TASKS = {
     "medusa": "specdecode.drafters.medusa.train:MedusaTask",
     "mtp": "specdecode.drafters.mtp.train:MTPTask",
     "draft": "specdecode.drafters.distill:DistillTask",
+    "dflash": "specdecode.drafters.dflash.train:DFlashTask",
+    "dspark": "specdecode.drafters.dspark.train:DSparkTask",
 }
 
 

@@ -59,6 +59,14 @@ METHOD_KW = {
     "medusa": {"draft_vocab_size": 128, "num_heads": 3},
     "mtp": {"draft_vocab_size": 128, "num_modules": 3},
     "draft": {"draft_vocab_size": 128, "num_layers": 2},
+    "dflash": {"draft_vocab_size": 128, "num_layers": 2, "block_size": 4, "num_anchors": 16},
+    "dspark": {
+        "draft_vocab_size": 128,
+        "num_layers": 2,
+        "block_size": 4,
+        "num_anchors": 16,
+        "markov_rank": 32,
+    },
 }
 
 

@@ -36,7 +36,7 @@ def test_regen_writes_masked_records_and_resumes(tiny, prompts_dir, regen_dir, t
         read_regen(regen_dir, "train", target_fingerprint="another")
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa", "mtp", "draft"])
+@pytest.mark.parametrize("method", ["eagle", "medusa", "mtp", "draft", "dflash", "dspark"])
 def test_training_lowers_the_loss_and_serves_tau_above_one(trained, method):
     out, summary = trained(method)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

@@ -1,4 +1,5 @@
-"""Every learned drafter (EAGLE-3, Medusa; chain and tree) is lossless in the real loop."""
+"""Every learned drafter (EAGLE-3, Medusa, MTP, distilled draft, DFlash, DSpark; chain and tree)
+is lossless in the real loop."""
 
 import collections
 import json
@@ -40,6 +41,8 @@ CASES = [
     ("medusa", True),
     ("mtp", False),
     ("draft", False),
+    ("dflash", False),
+    ("dspark", False),
 ]
 
 
@@ -49,8 +52,8 @@ def _drafter(method, trained, target, tree=False):
         return load_eagle(out, target, tree=TreeSpec(depth=4, topk=3, num_nodes=10) if tree else None)
     if method == "mtp":
         return load_mtp(out, target)
-    if method == "draft":
-        return build_drafter("draft", target, str(out))
+    if method in ("draft", "dflash", "dspark"):
+        return build_drafter(method, target, str(out))
     return load_medusa(out, target, tree=tree, num_nodes=10)
 
 

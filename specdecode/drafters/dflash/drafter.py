@@ -1,0 +1,174 @@
+"""DFlash drafting at inference: one forward of the drafter fills a whole block.
+
+Contract:
+- `DFlashDrafter(net, target)` wraps a trained `DFlash`. It captures the target's 5
+  `feature_layers` during prefill and verification (`needs_hidden`). Per slot it keeps a KV cache
+  of context rows only (one entry per committed token whose target features are known, at its
+  absolute position): `advance` queues the features of the verified block's kept rows (the
+  anchor and the accepted drafts), the next `propose` fuses them and appends their per-layer
+  keys/values (one batched projection, no layer pass: context rows are injected, not run).
+- `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k,
+  attending to the context rows (all strictly before the anchor) and to the whole block; the
+  block's keys/values are never written to the cache, so nothing needs cropping. The draft
+  slots' logits (frozen target head over the draft vocabulary) give one processed q per slot
+  (the request's temperature / top-k / top-p); draft k is sampled from q_k with the request's
+  generator (exactly `num_draft[b]` uniforms per request) and q_k is returned for rejection
+  sampling. DFlash slots are independent given the context, so every q_k is known at once.
+- Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
+Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.dflash.model import DFlash
+from specdecode.drafters.layers import draft_to_full_logits
+from specdecode.models.kv_cache import KVCache
+from specdecode.sampling import process_logits_batch, sample
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    deterministic = False
+
+    def __init__(self, net: DFlash, target, cost_per_token: float = 0.02):
+        self.net = net.eval()
+        self.target = target.model
+        self.vocab_size = target.vocab_size  # tokenizer size: ids past it never drafted
+        self.vocab_rows = target.model.info.vocab_size  # V
+        self.layers = tuple(net.cfg.feature_layers)
+        self.needs_hidden = tuple(dict.fromkeys(self.layers))
+        self.cost_per_token = cost_per_token
+        self.fingerprint = ""  # set by the loader (checkpoint path), keys the cost profile
+        p = next(net.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        d2t = net.d2t.to(target.model.info.device)
+        self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
+        self.cache: KVCache | None = None
+        self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
+
+    # ---- slots ----------------------------------------------------------------------------
+    def setup(self, num_slots: int, max_len: int) -> None:
+        c = self.net.cfg
+        self.cache = KVCache(
+            c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
+        self.cache.reset(slot)
+        feats = self._features(hidden, None) if hidden else None
+        self._pending[slot] = [feats] if feats is not None and feats.shape[0] else []
+
+    def stop(self, slot: int) -> None:
+        self._pending.pop(slot, None)
+
+    def _features(self, hidden: dict, b: int | None, rows=None) -> torch.Tensor | None:
+        """Concatenate the captured layers -> [n, 5d] in the drafter dtype."""
+        parts = []
+        for layer in self.layers:
+            h = hidden[layer]
+            if h is None:
+                return None
+            h = h if b is None else h[b]
+            parts.append(h if rows is None else h[rows])
+        return torch.cat(parts, dim=-1).to(self.device, self.dtype)
+
+    # ---- context cache --------------------------------------------------------------------
+    @torch.no_grad()
+    def _catch_up(self, slots: list[int]) -> None:
+        """Fuse the queued features of `slots` and append their keys/values (one projection)."""
+        todo = [s for s in slots if self._pending.get(s)]
+        if not todo:
+            return
+        feats = [torch.cat(self._pending[s]) for s in todo]  # [n_s, 5d]
+        sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
+        rows = torch.cat(
+            [self.cache.lengths[s] + torch.arange(f.shape[0]) for s, f in zip(todo, feats, strict=True)]
+        )
+        self.cache.check_room(todo, [f.shape[0] for f in feats])
+        ctx = self.net.fuse(torch.cat(feats)[None])  # [1, N, d]
+        for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None].to(self.device))):
+            self.cache.k[layer][sl, :, rows] = k[0]  # [N, Hk, D]
+            self.cache.v[layer][sl, :, rows] = v[0]
+        for s, f in zip(todo, feats, strict=True):
+            self.cache.commit(s, f.shape[0])
+            self._pending[s] = []
+
+    @torch.no_grad()
+    def _block_states(self, batch: list[DraftRow], idx: list[int]) -> torch.Tensor:
+        """Final states [B', Bk, d] of one block per request in `idx`."""
+        slots = [batch[b].slot for b in idx]
+        anchor_pos = torch.tensor([len(batch[b].token_ids) - 1 for b in idx])  # [B']
+        lens = torch.tensor([self.cache.lengths[s] for s in slots])
+        if not torch.equal(lens, anchor_pos):
+            raise RuntimeError(f"dflash context cache out of step: {lens.tolist()} != {anchor_pos.tolist()}")
+        T = int(lens.max())
+        sl = torch.tensor(slots)
+        ctx_kv = [
+            (self.cache.k[i][sl, :, :T].transpose(1, 2), self.cache.v[i][sl, :, :T].transpose(1, 2))
+            for i in range(self.net.cfg.num_layers)
+        ]  # [B', T, Hk, D] each
+        visible = (torch.arange(T)[None] < lens[:, None])[:, None].to(self.device)  # [B', 1, T]
+        anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
+        emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
+        pos = anchor_pos[:, None, None] + torch.arange(self.net.cfg.block_size)  # [B', 1, Bk]
+        return self.net.block_states(self.net.block_input(emb), pos.to(self.device), ctx_kv, visible)[:, 0]
+
+    # ---- propose --------------------------------------------------------------------------
+    def _full_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[N, d] states -> [N, V] fp32 logits over the target vocab (-inf off the draft vocab)."""
+        return draft_to_full_logits(self.net.logits(states, self.head_w), self.net.d2t, self.vocab_rows)
+
+    def _uniforms(self, batch, idx, num, j) -> torch.Tensor:
+        """One uniform per request that drafts position j (exactly num[b] per request)."""
+        return torch.stack(
+            [
+                torch.rand((), generator=batch[b].generator) if j < n else torch.zeros(())
+                for b, n in zip(idx, num, strict=True)
+            ]
+        )
+
+    def _draft(self, batch, idx, states, num):
+        """states [B', Bk, d] -> draft ids [B', K], q [B', K, V], extras; K = max(num)."""
+        first = self.net.cfg.first_draft_slot
+        K = max(num)
+        params = [batch[b].params for b in idx]
+        full = self._full_logits(states[:, first : first + K].reshape(-1, states.shape[-1]))
+        q = process_logits_batch(full.view(len(idx), K, -1), params, self.vocab_size)  # [B', K, V]
+        ids = torch.zeros(len(idx), K, dtype=torch.long)
+        for j in range(K):
+            ids[:, j] = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device)).cpu()
+        return ids, q, num, {}
+
+    @torch.no_grad()
+    def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        idx = [b for b, k in enumerate(num_draft) if k > 0]
+        self._catch_up([batch[b].slot for b in idx])
+        if not idx:
+            return empty_proposal(len(batch))
+        num = [min(num_draft[b], self.net.cfg.num_drafts) for b in idx]
+        states = self._block_states(batch, idx)
+        ids, q, num, extras = self._draft(batch, idx, states, num)
+        K = ids.shape[1]
+        sel = torch.tensor(idx)
+        draft_ids = torch.zeros(len(batch), K, dtype=torch.long)
+        draft_ids[sel] = ids
+        draft_probs = torch.zeros(len(batch), K, self.vocab_rows)
+        draft_probs[sel] = q.float().cpu()
+        n = torch.zeros(len(batch), dtype=torch.long)
+        n[sel] = torch.tensor(num)
+        for key, val in extras.items():  # per-request extras ([B', K]) -> [B, K]
+            full = torch.zeros(len(batch), K, dtype=val.dtype)
+            full[sel] = val.cpu()
+            extras[key] = full
+        return Proposal(draft_ids=draft_ids, num_draft=n, draft_probs=draft_probs, extras=extras)
+
+    # ---- advance --------------------------------------------------------------------------
+    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+        for b, row in enumerate(batch):
+            kept = torch.arange(num_accepted[b] + 1)  # the anchor and the accepted drafts
+            feats = self._features(target_out.hidden, b, kept)
+            if feats is not None:
+                self._pending.setdefault(row.slot, []).append(feats)

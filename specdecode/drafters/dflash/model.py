@@ -1,0 +1,284 @@
+"""DFlash block-diffusion drafter network and its training loss (METHODS.md section 6). DSpark
+(section 7, drafters/dspark/) reuses this backbone with the anchor-slot layout.
+
+Contract:
+- `DFlashConfig`: architecture fields (config.json). `feature_layers` are 5 target decoder layers
+  spread uniformly from the 2nd to the 3rd-to-last (`dflash_layers(L)`; never the final normed
+  state). `block_size` slots per block. `layout` "dflash": slot 0 is the anchor and slot k >= 1
+  predicts the token at anchor + k (block_size - 1 drafts); "dspark": slot k (0-based) predicts
+  anchor + k + 1 (block_size drafts). `draft_vocab_size` < target vocab restricts the frozen
+  head to the most frequent response tokens (`d2t[i]` = target id of draft id i); the paper
+  uses the full vocabulary.
+- `DFlash(cfg)`: `fuse` = Linear(5d -> d, no bias) + RMSNorm turns target features into context
+  features; `num_layers` decoder layers at the target's width; in every layer the keys/values
+  are [proj(context) ; proj(block)] with the layer's own projections (KV injection; RoPE at
+  absolute positions on both), queries come from the block only, attention is non-causal inside
+  the block. Final norm, then the target's frozen LM head rows of the draft vocabulary (passed in
+  as `head_w`, never stored). Slot 0 reads the target's frozen embedding of the anchor; mask slots
+  read a learned mask vector `mask_emb`, which no token id produces.
+- `context_kv(ctx [S, T, d], positions [S, T])` -> per layer (k, v) `[S, T, Hk, D]`: exactly what
+  the inference cache stores for committed context rows.
+- `block_states(emb [S, A, B, d], positions [S, A, B], ctx_kv, ctx_visible [S, A, T])` -> final
+  states `[S, A, B, d]` of A blocks per sequence; `ctx_visible` marks the context rows a block may
+  read (strictly before its anchor, at training and at inference).
+- `sample_anchors(loss_mask, lengths, num_anchors)`: random anchors a >= 1 whose next token is a
+  response token (uniform, without replacement; the global torch RNG, so the trainer's saved
+  RNG state makes a resumed run draw the same anchors).
+- `block_batch(net, ctx, embed, input_ids, loss_mask, lengths, num_anchors)`: packs the blocks of
+  a training batch and returns their final states plus the aligned labels / weights; the
+  weights are exp(-(j-1)/loss_decay) for draft j (1-based), 0 for labels past the sequence or
+  outside the response. `dflash_loss` = weighted CE on the draft slots.
+Legend: S sequences (or requests), T context rows, A blocks per sequence, B slots per block,
+d width, H/Hk heads, D head dim, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, apply_rope, rope_table
+
+
+def dflash_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """Target layers (0-based) uniform from the 2nd to the 3rd-to-last: round(1 + i (L-4)/(count-1))."""
+    if num_layers < 4:  # tiny test targets: spread over what exists
+        return tuple(min(i, num_layers - 1) for i in range(count))
+    return tuple(round(1 + i * (num_layers - 4) / (count - 1)) for i in range(count))
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    feature_layers: tuple[int, ...]
+    draft_vocab_size: int
+    target_vocab_size: int
+    num_layers: int = 2
+    block_size: int = 8
+    layout: str = "dflash"
+    loss_decay: float = 4.0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    markov_rank: int = 0  # DSpark only
+
+    @property
+    def first_draft_slot(self) -> int:
+        return 1 if self.layout == "dflash" else 0
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size - self.first_draft_slot
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> DFlashConfig:
+        d = dict(d)
+        d["feature_layers"] = tuple(d["feature_layers"])
+        return cls(**d)
+
+    @classmethod
+    def for_target(cls, info, config, draft_vocab_size: int, **kw) -> DFlashConfig:
+        return cls(
+            hidden_size=info.hidden_size,
+            num_heads=info.num_heads,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            intermediate_size=getattr(config, "intermediate_size", 4 * info.hidden_size),
+            feature_layers=dflash_layers(info.num_layers),
+            draft_vocab_size=min(draft_vocab_size, info.vocab_size),
+            target_vocab_size=info.vocab_size,
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+            rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
+            **kw,
+        )
+
+
+def block_attend(q, ctx_k, ctx_v, blk_k, blk_v, ctx_visible) -> torch.Tensor:
+    """Block queries over [context ; own block]. q [S, A, B, H, D]; ctx_k/v [S, T, Hk, D];
+    blk_k/v [S, A, B, Hk, D]; ctx_visible [S, A, T] bool -> [S, A, B, H*D]. The whole block is
+    visible to each of its slots (non-causal); no block sees another block."""
+    S, A, B, H, D = q.shape
+    T = ctx_k.shape[1]
+    g = H // blk_k.shape[3]
+    ck, cv = ctx_k.repeat_interleave(g, dim=2), ctx_v.repeat_interleave(g, dim=2)  # [S, T, H, D]
+    bk, bv = blk_k.repeat_interleave(g, dim=3), blk_v.repeat_interleave(g, dim=3)  # [S, A, B, H, D]
+    scale = D**-0.5
+    sc = torch.einsum("sabhd,sthd->sahbt", q, ck) * scale  # [S, A, H, B, T]
+    sc = sc.masked_fill(~ctx_visible[:, :, None, None, :], float("-inf"))
+    sb = torch.einsum("sabhd,sachd->sahbc", q, bk) * scale  # [S, A, H, B, B]
+    p = torch.softmax(torch.cat([sc, sb], dim=-1).float(), dim=-1).to(q.dtype)
+    o = torch.einsum("sahbt,sthd->sabhd", p[..., :T], cv) + torch.einsum("sahbc,sachd->sabhd", p[..., T:], bv)
+    return o.reshape(S, A, B, H * D)
+
+
+class InjectLayer(nn.Module):
+    """One decoder layer whose attention also reads the injected context keys/values."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.input_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.attn = DraftAttention(d, d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.post_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
+
+    def context_kv(self, ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [S, T, d] -> k, v [S, T, Hk, D] (RoPE on k)."""
+        S, T, _ = ctx.shape
+        a = self.attn
+        k = a.k_proj(ctx).view(S, T, a.Hk, a.D)
+        return apply_rope(k, cos, sin), a.v_proj(ctx).view(S, T, a.Hk, a.D)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
+        """h [S, A, B, d]; cos/sin [S, A*B, D] -> [S, A, B, d]."""
+        S, A, B, d = h.shape
+        q, k, v = self.attn.qkv(self.input_norm(h).reshape(S, A * B, d), cos, sin)
+        split = lambda t: t.view(S, A, B, *t.shape[2:])  # noqa: E731
+        o = block_attend(split(q), ctx_k, ctx_v, split(k), split(v), ctx_visible)
+        h = h + self.attn.o_proj(o)
+        return h + self.mlp(self.post_norm(h))
+
+
+class DFlash(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.feature_layers) * d, d, bias=False)
+        self.ctx_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(InjectLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.mask_emb = nn.Parameter(torch.zeros(d))
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # [Vd]
+
+    def init_from_target(self, embed_weight: torch.Tensor, d2t: torch.Tensor) -> None:
+        """The mask vector starts as the mean token embedding; `d2t` = the draft vocabulary."""
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.mask_emb.copy_(embed_weight.float().mean(0))
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """[.., 5d] target features (layer order of cfg.feature_layers) -> [.., d] context."""
+        return self.ctx_norm(self.fc(feats))
+
+    def _rope(self, positions: torch.Tensor):
+        return rope_table(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def context_kv(
+        self, ctx: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cos, sin = self._rope(positions)
+        return [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_states(self, emb, positions, ctx_kv, ctx_visible) -> torch.Tensor:
+        S, A, B, d = emb.shape
+        cos, sin = self._rope(positions.reshape(S, A * B))
+        h = emb
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            h = layer(h, cos, sin, k, v, ctx_visible)
+        return self.norm(h)
+
+    def block_input(self, anchor_emb: torch.Tensor) -> torch.Tensor:
+        """[S, A, d] anchor embeddings -> [S, A, B, d] block input (anchor, then mask vectors)."""
+        S, A, d = anchor_emb.shape
+        mask = self.mask_emb.to(anchor_emb.dtype).expand(S, A, self.cfg.block_size - 1, d)
+        return torch.cat([anchor_emb[:, :, None], mask], dim=2)
+
+    def logits(self, states: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+        """[.., d] final states -> [.., Vd] logits with the frozen target head rows [Vd, d]."""
+        return states @ head_w.T.to(states.dtype)
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int):
+    """-> anchors [S, A] long, valid [S, A] bool (A = min(num_anchors, most candidates))."""
+    S, T = loss_mask.shape
+    pos = torch.arange(T)
+    nxt = F.pad(loss_mask[:, 1:], (0, 1)).cpu().bool()  # next token is a response token
+    cand = nxt & (pos[None] >= 1) & (pos[None] + 1 < lengths.cpu()[:, None])
+    A = max(1, min(num_anchors, int(cand.sum(1).max())))
+    anchors = torch.zeros(S, A, dtype=torch.long)
+    valid = torch.zeros(S, A, dtype=torch.bool)
+    for s in range(S):
+        c = cand[s].nonzero()[:, 0]
+        pick = c[torch.randperm(len(c))[:A]].sort().values
+        anchors[s, : len(pick)], valid[s, : len(pick)] = pick, True
+    return anchors, valid
+
+
+def block_batch(net: DFlash, ctx, embed, input_ids, loss_mask, lengths, num_anchors: int) -> dict:
+    """Pack random blocks of a batch (see module docstring). ctx [S, T, d] fused context;
+    `embed`: [..] ids -> [.., d] frozen target embedding. Returns dict(states [S, A, Bd, d] of the
+    draft slots, labels [S, A, Bd] (target ids), prev [S, A, Bd] (the token before each label),
+    label_pos [S, A, Bd], weight [S, A, Bd])."""
+    cfg = net.cfg
+    dev = ctx.device
+    S, T, _ = ctx.shape
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors)
+    anchors, valid = anchors.to(dev), valid.to(dev)
+    B = cfg.block_size
+    pos = torch.arange(T, device=dev)
+    ctx_kv = net.context_kv(ctx, pos[None].expand(S, T))
+    ctx_visible = pos[None, None] < anchors[:, :, None]  # [S, A, T]: strictly before the anchor
+    anchor_ids = torch.gather(input_ids, 1, anchors)  # [S, A]
+    emb = net.block_input(embed(anchor_ids).to(ctx.dtype))  # [S, A, B, d]
+    slot_pos = anchors[:, :, None] + torch.arange(B, device=dev)  # [S, A, B]
+    states = net.block_states(emb, slot_pos, ctx_kv, ctx_visible)[:, :, cfg.first_draft_slot :]
+    j = torch.arange(cfg.num_drafts, device=dev)  # draft index, 0-based
+    label_pos = anchors[:, :, None] + 1 + j  # [S, A, Bd]
+    inside = label_pos < lengths.to(dev)[:, None, None]
+    lp = label_pos.clamp(max=T - 1).reshape(S, -1)
+    labels = torch.gather(input_ids, 1, lp).view_as(label_pos)
+    prev = torch.gather(input_ids, 1, (lp - 1)).view_as(label_pos)
+    resp = torch.gather(loss_mask, 1, lp).view_as(label_pos).bool()
+    decay = torch.exp(-j.float() / cfg.loss_decay)
+    weight = decay * (inside & resp & valid[:, :, None]).float()
+    return {"states": states, "labels": labels, "prev": prev, "label_pos": label_pos, "weight": weight}
+
+
+def to_draft_ids(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Target ids -> draft ids (Vd for tokens outside the draft vocabulary)."""
+    return t2d.to(ids.device)[ids]
+
+
+def dflash_loss(net: DFlash, head_w, t2d, packed: dict) -> tuple[torch.Tensor, dict]:
+    """Position-decayed CE on the draft slots (labels outside the draft vocabulary are skipped)."""
+    logits = net.logits(packed["states"], head_w).float()  # [S, A, Bd, Vd]
+    y = to_draft_ids(packed["labels"], t2d)
+    w = packed["weight"] * (y < logits.shape[-1]).float()
+    ce = F.cross_entropy(logits.flatten(0, 2), y.clamp(max=logits.shape[-1] - 1).flatten(), reduction="none")
+    loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
+    return loss, {"loss_ce": float(loss.detach()), **slot_accuracy(logits, y, w)}
+
+
+def slot_accuracy(logits, y, w, slots=(0, 1, 3)) -> dict:
+    """Argmax agreement with the label at a few draft positions (for the training log)."""
+    logs = {}
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == y).float()
+        m = (w > 0).float()
+        for j in slots:
+            if j < hit.shape[-1]:
+                logs[f"acc_{j}"] = float((hit[..., j] * m[..., j]).sum() / m[..., j].sum().clamp(min=1))
+    return logs
+
+
+def t2d_table(d2t: torch.Tensor, vocab_rows: int) -> torch.Tensor:
+    """[V] target id -> draft id, Vd where the token has no draft id."""
+    t2d = torch.full((vocab_rows,), len(d2t), dtype=torch.long)
+    t2d[d2t.cpu()] = torch.arange(len(d2t))
+    return t2d
+
+
+def default_decay(block_size: int) -> float:
+    """DFlash's gamma_d: 7 at B = 16, 5 at B = 10, 4 at B = 8 (B / 2 elsewhere, at least 2)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(2.0, block_size / 2))

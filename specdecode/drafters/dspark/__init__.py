@@ -1,0 +1,28 @@
+"""DSpark (DeepSeek-AI + PKU): DFlash-style parallel backbone + Markov head + calibrated
+confidence head.
+
+model.py: network and loss; drafter.py: sequential sampling and confidence truncation;
+train.py: trainer task; calibrate.py: sequential temperature scaling (`specdecode calibrate`).
+`load_dspark(path, target, ...)` builds a ready drafter from a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from specdecode.drafters.checkpoint import load_checkpoint
+from specdecode.drafters.dflash.model import DFlashConfig
+from specdecode.drafters.dspark.drafter import DSparkDrafter
+from specdecode.drafters.dspark.model import DSpark
+
+__all__ = ["DSpark", "DSparkDrafter", "load_dspark"]
+
+
+def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "survival") -> DSparkDrafter:
+    from specdecode.drafters.eagle import drafter_dtype
+
+    arch, state = load_checkpoint(path, "dspark", target)
+    net = DSpark(DFlashConfig.from_json(arch))
+    net.load_state_dict(state)
+    net.to(device=target.model.info.device, dtype=drafter_dtype(target))
+    drafter = DSparkDrafter(net, target, confidence_threshold, threshold_on)
+    drafter.fingerprint = f"dspark:{path}"
+    return drafter

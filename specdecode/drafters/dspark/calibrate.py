@@ -1,0 +1,304 @@
+"""Sequential temperature scaling (STS) of DSpark's confidence head: `specdecode calibrate`.
+
+Contract:
+- `ece(p [N], y [N], bins=20)`: expected calibration error with equal-width bins.
+  `auroc(p, y)`: area under the ROC curve (rank statistic; ties averaged; NaN with one class).
+- `fit_sts(z [N, K], drafted [N, K], accepted [N], grid)`: one temperature per position, fit left
+  to right: for position k every grid value is tried with positions < k frozen, and the one
+  with the lowest ECE of the cumulative product a_k = prod_{i<=k} sigmoid(z_i / t_i) against the
+  prefix-accepted label (accepted >= k) over the rounds that drafted position k wins.
+- `survival(z, temps)` -> a [N, K]; `report(z, drafted, accepted, temps)` -> per-position
+  {n, rate, ece, auroc}.
+- `collect(target, drafter, prompts, ...)`: runs real speculative decoding (fixed K = the
+  drafter's block, temperatures set to 1 while recording) and returns, per round and request,
+  the raw confidence logits of the drafted positions and the number of drafts accepted.
+- `calibrate(target_spec, drafter_dir, data_dir, ...)`: loads the target and the DSpark
+  checkpoint, collects labels on held-out prompts (the prompt part of a regenerated held-out
+  split, or the `heldout.jsonl` messages of a prompt set), fits STS on the first rounds and
+  evaluates on the rest (`--eval-fraction`), writes the temperatures into the checkpoint
+  (`sts_temperature` in model.safetensors, a "calibration" record in config.json; atomic),
+  and writes calibration.json + reliability.png next to it; prints the table.
+Legend: N rounds x requests, K draft positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_GRID = tuple(round(math.exp(x / 20), 4) for x in range(-46, 47))  # 0.1 .. 10, log-spaced
+
+
+def ece(p: torch.Tensor, y: torch.Tensor, bins: int = 20) -> float:
+    if len(p) == 0:
+        return float("nan")
+    idx = (p.clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    err = 0.0
+    for b in range(bins):
+        m = idx == b
+        if m.any():
+            err += float(m.sum()) * abs(float(p[m].mean()) - float(y[m].float().mean()))
+    return err / len(p)
+
+
+def auroc(p: torch.Tensor, y: torch.Tensor) -> float:
+    y = y.bool()
+    n1, n0 = int(y.sum()), int((~y).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    order = torch.argsort(p.double(), stable=True)
+    ranks = torch.empty(len(p), dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(p) + 1, dtype=torch.float64)
+    ps = p.double()
+    for v in torch.unique(ps[order]):  # average ranks over ties
+        m = ps == v
+        if int(m.sum()) > 1:
+            ranks[m] = ranks[m].mean()
+    return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def survival(z: torch.Tensor, temps) -> torch.Tensor:
+    t = torch.as_tensor(temps, dtype=torch.float64)[: z.shape[1]]
+    return torch.sigmoid(z.double() / t).cumprod(dim=1)
+
+
+def labels(accepted: torch.Tensor, K: int) -> torch.Tensor:
+    """[N] accepted counts -> [N, K] prefix-accepted labels (position k: accepted >= k + 1)."""
+    return accepted[:, None] >= torch.arange(1, K + 1)[None]
+
+
+def fit_sts(z, drafted, accepted, grid=DEFAULT_GRID, bins: int = 20) -> list[float]:
+    K = z.shape[1]
+    y = labels(accepted, K)
+    temps = [1.0] * K
+    for k in range(K):
+        m = drafted[:, k]
+        if int(m.sum()) == 0:
+            continue
+        best = (float("inf"), 1.0)
+        for t in grid:
+            trial = [*temps[:k], float(t), *temps[k + 1 :]]
+            a = survival(z[m], trial)[:, k]
+            best = min(best, (ece(a, y[m, k], bins), float(t)))
+        temps[k] = best[1]
+    return temps
+
+
+def report(z, drafted, accepted, temps, bins: int = 20) -> list[dict]:
+    K = z.shape[1]
+    y, a = labels(accepted, K), survival(z, temps)
+    rows = []
+    for k in range(K):
+        m = drafted[:, k]
+        rows.append(
+            {
+                "position": k + 1,
+                "n": int(m.sum()),
+                "rate": float(y[m, k].float().mean()) if m.any() else float("nan"),
+                "ece": ece(a[m, k], y[m, k], bins),
+                "auroc": auroc(a[m, k], y[m, k]),
+            }
+        )
+    return rows
+
+
+def collect(
+    target, drafter, prompts: list[list[int]], temperature=1.0, max_new_tokens=128, max_batch=8, seed=0
+):
+    """-> (z [N, K] raw confidence logits, drafted [N, K] bool, accepted [N] long)."""
+    from specdecode.config import SamplingParams
+    from specdecode.decode import GenerationRequest, SpeculativeDecoder
+    from specdecode.policy import FixedK
+
+    K = drafter.net.cfg.num_drafts
+    saved = drafter.net.sts_temperature.clone()
+    drafter.net.sts_temperature.fill_(1.0)
+    rows_z, rows_d, rows_a = [], [], []
+    inner = drafter.advance
+
+    def advance(batch, proposal, num_accepted, target_out):
+        conf = proposal.extras.get("confidences")
+        if conf is not None:
+            for b in range(len(batch)):
+                n = int(proposal.num_draft[b])
+                if n > 0:
+                    c = conf[b, :n].double().clamp(1e-9, 1 - 1e-9)
+                    z = torch.zeros(K, dtype=torch.float64)
+                    z[:n] = torch.log(c) - torch.log1p(-c)
+                    rows_z.append(z)
+                    rows_d.append(torch.arange(K) < n)
+                    rows_a.append(int(num_accepted[b]))
+        inner(batch, proposal, num_accepted, target_out)
+
+    drafter.advance = advance
+    try:
+        dec = SpeculativeDecoder(target, drafter, FixedK(K), max_batch=max_batch)
+        params = SamplingParams(temperature=temperature)
+        reqs = [
+            GenerationRequest(p, params, max_new_tokens, seed=seed + i, id=str(i))
+            for i, p in enumerate(prompts)
+        ]
+        dec.generate(reqs)
+    finally:
+        drafter.advance = inner
+        drafter.net.sts_temperature.copy_(saved)
+    if not rows_z:
+        raise SpecDecodeError("calibration collected no drafting rounds; use more or longer prompts")
+    return torch.stack(rows_z), torch.stack(rows_d), torch.tensor(rows_a)
+
+
+def heldout_prompts(data_dir, target, limit: int) -> list[list[int]]:
+    """Prompt ids from a regenerated held-out split or a prompt set's heldout.jsonl."""
+    from specdecode.prompts import PromptItem, encode_prompt
+
+    path = Path(data_dir) / "heldout.jsonl"
+    if not path.exists():
+        raise SpecDecodeError(
+            f"{data_dir} has no heldout.jsonl; pass a directory from `specdecode data regen` or `data build`"
+        )
+    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if "input_ids" in r and 1 in r.get("loss_mask", []):
+            out.append(r["input_ids"][: r["loss_mask"].index(1)])
+        elif "messages" in r:
+            item = PromptItem(id=r.get("id", ""), messages=r["messages"] if chat else None)
+            if not chat:
+                item.prompt = r["messages"][-1]["content"]
+            out.append(encode_prompt(target.tokenizer, item, chat=chat))
+        if len(out) >= limit:
+            break
+    if not out:
+        raise SpecDecodeError(f"{path} holds no prompts")
+    return out
+
+
+def write_temperatures(drafter_dir, temps: list[float], record: dict) -> None:
+    """Store the STS temperatures in the checkpoint (atomic replace of weights, then config)."""
+    from safetensors.torch import load_file, save_file
+
+    d = Path(drafter_dir)
+    weights = load_file(str(d / "model.safetensors"))
+    old = weights["sts_temperature"]
+    weights["sts_temperature"] = torch.tensor(temps, dtype=torch.float32).to(old.dtype)
+    tmp = d / "model.safetensors.tmp"
+    save_file(weights, str(tmp))
+    os.replace(tmp, d / "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["calibration"] = record
+    tmp = d / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2))
+    os.replace(tmp, d / "config.json")
+
+
+def plot(path, z, drafted, accepted, before, after, bins: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    K = z.shape[1]
+    y = labels(accepted, K)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    ax = axes[0]
+    for name, temps, style in (("raw", before, "--"), ("STS", after, "-")):
+        a = survival(z, temps)
+        m = drafted
+        p, t = a[m], y[m].double()
+        idx = (p * bins).long().clamp(max=bins - 1)
+        xs = [float(p[idx == b].mean()) for b in range(bins) if (idx == b).any()]
+        ys = [float(t[idx == b].mean()) for b in range(bins) if (idx == b).any()]
+        ax.plot(xs, ys, style, marker="o", label=f"{name} (all positions)")
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+    ax.set_xlabel("predicted prefix survival a_k")
+    ax.set_ylabel("observed prefix acceptance")
+    ax.set_title("Reliability")
+    ax.legend()
+    ax = axes[1]
+    r0, r1 = report(z, drafted, accepted, before), report(z, drafted, accepted, after)
+    ks = [r["position"] for r in r0]
+    ax.bar([k - 0.2 for k in ks], [100 * r["ece"] for r in r0], width=0.4, label="raw")
+    ax.bar([k + 0.2 for k in ks], [100 * r["ece"] for r in r1], width=0.4, label="STS")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("ECE of a_k (%)")
+    ax.set_title("Per-position ECE (evaluation rounds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def calibrate(
+    target_spec,
+    drafter_dir,
+    data_dir,
+    *,
+    num_prompts: int = 64,
+    temperature: float = 1.0,
+    max_new_tokens: int = 128,
+    eval_fraction: float = 0.33,
+    dtype: str = "bf16",
+    device: str | None = None,
+    max_batch: int = 8,
+    write: bool = True,
+) -> dict:
+    from specdecode.drafters.dspark import load_dspark
+    from specdecode.models.loader import load_model
+
+    if not 0.0 <= eval_fraction < 1.0:
+        raise SpecDecodeError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    if num_prompts < 1:
+        raise SpecDecodeError(f"--num-prompts must be >= 1, got {num_prompts}")
+    target = (
+        load_model(target_spec, dtype=dtype, device=device) if isinstance(target_spec, str) else target_spec
+    )
+    drafter = load_dspark(drafter_dir, target)
+    prompts = heldout_prompts(data_dir, target, num_prompts)
+    z, drafted, accepted = collect(target, drafter, prompts, temperature, max_new_tokens, max_batch)
+    n_fit = len(z) - int(len(z) * eval_fraction)
+    fit = (z[:n_fit], drafted[:n_fit], accepted[:n_fit])
+    ev = (z[n_fit:], drafted[n_fit:], accepted[n_fit:]) if n_fit < len(z) else fit
+    K = z.shape[1]
+    ones = [1.0] * K
+    temps = fit_sts(*fit)
+    temps = [float(torch.tensor(t).to(torch.bfloat16).float()) for t in temps]  # as stored (bf16)
+    result = {
+        "temperature": temperature,
+        "prompts": len(prompts),
+        "rounds_fit": n_fit,
+        "rounds_eval": len(z) - n_fit,
+        "sts_temperature": temps,
+        "before": report(*ev, ones),
+        "after": report(*ev, temps),
+        "after_fit_rounds": report(*fit, temps),
+    }
+    d = Path(drafter_dir)
+    if write:
+        write_temperatures(
+            d, temps, {k: result[k] for k in ("temperature", "prompts", "rounds_fit", "sts_temperature")}
+        )
+        (d / "calibration.json").write_text(json.dumps(result, indent=2))
+        plot(d / "reliability.png", *ev, ones, temps)
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        "| position | rounds | prefix acceptance | ECE raw | ECE STS | AUROC raw | AUROC STS | temperature |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b, a, t in zip(result["before"], result["after"], result["sts_temperature"], strict=True):
+        lines.append(
+            f"| {b['position']} | {b['n']} | {b['rate']:.3f} | {100 * b['ece']:.2f} % "
+            f"| {100 * a['ece']:.2f} % | {b['auroc']:.3f} | {a['auroc']:.3f} | {t:.3g} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""DSpark drafting: one backbone forward, then a left-to-right pass of the light Markov head.
+
+Contract:
+- `DSparkDrafter(net, target, confidence_threshold=None, threshold_on="survival")` extends
+  `DFlashDrafter` (same context cache and block forward; all block slots are drafts). For slot
+  k = 1..K in order: c_k = sigmoid(conf([h_k ; W1[x_{k-1}]]) / sts_temperature[k]) (x_0 = the
+  anchor), then x_k is sampled from q_k = process(U_k + W2(W1[x_{k-1}])) with the request's
+  generator; q_k, the corrected distribution, is what rejection sampling uses.
+- Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
+  scheduler (`provides_confidences`).
+- Per-request truncation: with `confidence_threshold`, a request stops drafting at the first k
+  whose c_k ("confidence") or prefix survival a_k = prod_{i<=k} c_i ("survival") is below the
+  threshold. The decision for slot k reads only c_k, which depends on x_{k-1} but never on x_k,
+  so the output distribution stays the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.dflash.drafter import DFlashDrafter
+from specdecode.drafters.dflash.model import t2d_table
+from specdecode.drafters.dspark.model import DSpark
+from specdecode.drafters.layers import draft_to_full_logits
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import process_logits_batch, sample
+
+THRESHOLD_ON = ("survival", "confidence")
+
+
+class DSparkDrafter(DFlashDrafter):
+    name = "dspark"
+    provides_confidences = True
+
+    def __init__(
+        self,
+        net: DSpark,
+        target,
+        confidence_threshold: float | None = None,
+        threshold_on: str = "survival",
+        cost_per_token: float = 0.02,
+    ):
+        super().__init__(net, target, cost_per_token)
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+            raise SpecDecodeError(f"--confidence-threshold must be in [0, 1], got {confidence_threshold}")
+        if threshold_on not in THRESHOLD_ON:
+            raise SpecDecodeError(f"threshold_on must be one of {THRESHOLD_ON}, got {threshold_on!r}")
+        self.threshold, self.threshold_on = confidence_threshold, threshold_on
+        self.t2d = t2d_table(net.d2t, self.vocab_rows).to(self.device)  # [V]
+
+    def _draft(self, batch, idx, states, num):
+        net, K, n = self.net, max(num), len(idx)
+        num = list(num)
+        params = [batch[b].params for b in idx]
+        U = net.logits(states[:, :K], self.head_w)  # [B', K, Vd] backbone logits
+        prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
+        ids = torch.zeros(n, K, dtype=torch.long)
+        q = torch.zeros(n, K, self.vocab_rows, device=self.device)
+        conf = torch.zeros(n, K)
+        survival = torch.ones(n)
+        for j in range(K):
+            c = torch.sigmoid(
+                net.confidence_logit(states[:, j], prev).float() / net.sts_temperature[j].float()
+            ).cpu()
+            conf[:, j] = c
+            survival = survival * c
+            if self.threshold is not None:
+                score = survival if self.threshold_on == "survival" else c
+                for i in range(n):
+                    if j < num[i] and score[i] < self.threshold:
+                        num[i] = j  # stop before sampling x_j: decided from x_{<j} only
+            if all(j >= k for k in num):
+                break
+            full = draft_to_full_logits(net.markov_logits(U[:, j], prev), net.d2t, self.vocab_rows)
+            q[:, j] = process_logits_batch(full[:, None], params, self.vocab_size)[:, 0]
+            x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device))  # [B']
+            ids[:, j] = x.cpu()
+            prev = self.t2d[x.to(self.device)]
+        K = max(max(num), 0)
+        return ids[:, :K], q[:, :K], num, {"confidences": conf[:, :K]}

@@ -1,0 +1,234 @@
+"""DFlash and DSpark: strict context visibility, inference == training packing, confidence
+truncation stays lossless, STS calibration (pure functions and `specdecode calibrate`)."""
+
+import json
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters import build_drafter
+from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.base import DraftRow
+from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load_dflash
+from specdecode.drafters.dflash.model import block_batch
+from specdecode.drafters.dspark import load_dspark
+from specdecode.drafters.dspark.calibrate import auroc, ece, fit_sts, labels, report, survival
+from specdecode.errors import SpecDecodeError
+from specdecode.policy import FixedK
+from specdecode.training.data import load_sequences
+from specdecode.training.features import TargetFeatures
+
+
+def test_feature_layers_follow_the_paper():
+    assert dflash_layers(36) == (1, 9, 17, 25, 33)  # the paper's 36-layer example
+    assert dflash_layers(30) == (1, 8, 14, 20, 27)  # SmolLM2-135M
+    assert all(0 < i < 30 - 2 for i in dflash_layers(30))  # never the last two layers
+
+
+def _tiny_net(layout="dflash"):
+    torch.manual_seed(0)
+    cfg = DFlashConfig(
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        feature_layers=(0, 1, 2, 3, 4),
+        draft_vocab_size=50,
+        target_vocab_size=50,
+        num_layers=2,
+        block_size=4,
+        layout=layout,
+    )
+    net = DFlash(cfg).eval()
+    with torch.no_grad():
+        net.mask_emb.normal_()
+    return net
+
+
+def test_blocks_see_context_strictly_before_the_anchor_and_their_whole_block():
+    net = _tiny_net()
+    T, a = 12, 7
+    ctx = torch.randn(1, T, 32)
+    emb = torch.randn(1, 1, 4, 32)
+    pos = (a + torch.arange(4))[None, None]
+    visible = (torch.arange(T) < a)[None, None]
+
+    def run(c, e):
+        return net.block_states(e, pos, net.context_kv(c, torch.arange(T)[None]), visible)
+
+    base = run(ctx, emb)
+    later = ctx.clone()
+    later[:, a:] = torch.randn(1, T - a, 32)  # the anchor's own features and everything after it
+    torch.testing.assert_close(run(later, emb), base)
+    before = ctx.clone()
+    before[:, a - 1] += 1.0
+    assert not torch.allclose(run(before, emb), base)
+    last = emb.clone()
+    last[:, :, -1] += 1.0  # the last slot changes the first one: attention is non-causal in a block
+    assert not torch.allclose(run(ctx, last)[:, :, 0], base[:, :, 0])
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_inference_cache_and_block_equal_the_training_packing(tiny, trained, regen_dir, method):
+    """The drafter's context rows (built incrementally during real decoding) and its block states
+    equal what training computes for the same anchor."""
+    out, _ = trained(method)
+    drafter = build_drafter(method, tiny, str(out))
+    net = drafter.net.float()
+    seq = load_sequences(regen_dir, "train", 512)[0].input_ids
+    n = 15
+    prompt = seq[:n].tolist()
+    dec = SpeculativeDecoder(tiny, drafter, FixedK(3), max_batch=1)
+    res = dec.generate([GenerationRequest(prompt, SamplingParams(), 12, ignore_eos=True)])[0]
+    full = torch.tensor(prompt + res.token_ids)
+    feats = TargetFeatures(tiny, net.cfg.feature_layers)(
+        {"input_ids": full[None], "lengths": torch.tensor([len(full)])}
+    )
+    ctx = net.fuse(torch.cat([feats[i] for i in net.cfg.feature_layers], -1).float())
+    L = drafter.cache.lengths[0]
+    assert len(full) - 12 <= L < len(full)  # context = every committed token before the anchor
+    kv = net.context_kv(ctx, torch.arange(len(full))[None])
+    for layer, (k, v) in enumerate(kv):
+        torch.testing.assert_close(
+            drafter.cache.k[layer][0, :, :L].transpose(0, 1), k[0, :L], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            drafter.cache.v[layer][0, :, :L].transpose(0, 1), v[0, :L], atol=1e-4, rtol=1e-4
+        )
+    # Block states at anchor L (the drafter's view) == the training packing with that anchor.
+    row = DraftRow(0, full[: L + 1].tolist(), SamplingParams(), torch.Generator())
+    got = drafter._block_states([row], [0])[0]
+    torch.manual_seed(0)
+    mask = torch.zeros(1, len(full), dtype=torch.long)
+    mask[0, L + 1] = 1  # the only anchor candidate is L
+    packed = block_batch(net, ctx, tiny.model.embed, full[None], mask, torch.tensor([len(full)]), 4)
+    first = net.cfg.first_draft_slot
+    torch.testing.assert_close(got[first:], packed["states"][0, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_wrong_checkpoint_kind_is_refused(tiny, trained):
+    out, _ = trained("dflash")
+    with pytest.raises(SpecDecodeError, match="holds a 'dflash' drafter"):
+        load_dspark(out, tiny)
+    with pytest.raises(SpecDecodeError, match="only used by --method dspark"):
+        build_drafter("dflash", tiny, str(out), options={"confidence_threshold": 0.5})
+    sp, _ = trained("dspark")
+    with pytest.raises(SpecDecodeError, match=r"in \[0, 1\]"):
+        load_dspark(sp, tiny, confidence_threshold=1.5)
+    assert load_dflash(out, tiny).net.cfg.layout == "dflash"
+
+
+def _decode(target, drafter, k, prompts, params=None, max_new=32, max_batch=8, seed=0):
+    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=max_batch)
+    reqs = [
+        GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    return dec.generate(reqs)
+
+
+def test_confidence_truncation_drafts_less_and_stays_exact(tiny, trained):
+    out, _ = trained("dspark")
+    tok = tiny.tokenizer
+    prompts = [
+        tok(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello", "tell me about the sea")
+    ]
+    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    drafted = {}
+    for thr in (None, 0.3, 1.0):
+        drafter = load_dspark(out, tiny, confidence_threshold=thr)
+        counts = []
+        inner = drafter.propose
+
+        def propose(batch, num_draft, inner=inner, counts=counts):
+            prop = inner(batch, num_draft)
+            counts.extend(prop.num_draft.tolist())
+            assert prop.extras["confidences"].shape == prop.draft_ids.shape
+            return prop
+
+        drafter.propose = propose
+        sd = _decode(tiny, drafter, 4, prompts)
+        assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+        drafted[thr] = sum(counts) / len(counts)
+    assert drafted[1.0] == 0.0 < drafted[0.3] < drafted[None]
+
+
+def test_truncated_sampling_matches_the_target_distribution(tiny, trained):
+    from scipy.stats import chi2_contingency
+
+    out, _ = trained("dspark")
+    prompt = tiny.tokenizer("the cat sat on the mat")["input_ids"]
+    params = SamplingParams(temperature=1.0, top_k=6)
+    n = 1200
+
+    def draw(drafter, k, base):
+        res = _decode(tiny, drafter, k, [prompt] * n, params=params, max_new=2, max_batch=64, seed=base)
+        return {tuple(r.token_ids) for r in res}, [tuple(r.token_ids) for r in res]
+
+    _, a = draw(ARDrafter(), 0, 0)
+    _, b = draw(load_dspark(out, tiny, confidence_threshold=0.3, threshold_on="confidence"), 4, 10**6)
+    keys = [k for k in set(a) | set(b) if a.count(k) + b.count(k) >= 10]
+    assert len(keys) >= 4
+    assert chi2_contingency([[a.count(k) for k in keys], [b.count(k) for k in keys]]).pvalue > 1e-3
+
+
+def test_ece_and_auroc():
+    p = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    y = torch.tensor([0, 0, 1, 1])
+    assert auroc(p, y) == pytest.approx(0.75)
+    assert auroc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == pytest.approx(0.5)
+    # 2 bins: [0.1, 0.4, 0.35] -> |0.2833 - 1/3|; [0.8] -> |0.8 - 1|
+    assert ece(p, y, bins=2) == pytest.approx((3 * abs(0.85 / 3 - 1 / 3) + 0.2) / 4)
+    assert ece(torch.tensor([1.0, 0.0]), torch.tensor([1, 0])) == 0.0
+
+
+def test_sts_recovers_over_confident_positions():
+    """Labels drawn from sigmoid(z / 2): raw confidences are over-confident, STS finds t ~ 2."""
+    g = torch.Generator().manual_seed(0)
+    N, K = 20000, 3
+    z = torch.randn(N, K, generator=g, dtype=torch.float64) * 3 + 1
+    p = torch.sigmoid(z / 2)
+    acc = torch.zeros(N, dtype=torch.long)
+    alive = torch.ones(N, dtype=torch.bool)
+    for k in range(K):  # sequential acceptance: position k survives with prob p_k given k-1 did
+        alive &= torch.rand(N, generator=g, dtype=torch.float64) < p[:, k]
+        acc += alive.long()
+    drafted = torch.ones(N, K, dtype=torch.bool)
+    temps = fit_sts(z, drafted, acc)
+    assert all(1.6 < t < 2.5 for t in temps)
+    before, after = report(z, drafted, acc, [1.0] * K), report(z, drafted, acc, temps)
+    assert all(a["ece"] < 0.02 < b["ece"] for a, b in zip(after, before, strict=True))
+    assert labels(torch.tensor([0, 2]), 3).tolist() == [[False, False, False], [True, True, False]]
+    assert survival(torch.zeros(1, 2), [1.0, 1.0]).tolist() == [[0.5, 0.25]]
+
+
+def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
+    capsys, trained, tiny, tiny_llama_dir, regen_dir
+):
+    import shutil
+
+    from specdecode.cli import main
+
+    src, _ = trained("dspark")
+    out = src.parent / "dspark-calibrated"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    args = ["calibrate", "--target", str(tiny_llama_dir), "--drafter", str(out), "--data", str(regen_dir)]
+    code = main([*args, "--num-prompts", "4", "--max-new-tokens", "24", "--dtype", "fp32"])
+    text, err = capsys.readouterr()
+    assert code == 0, err
+    assert "ECE raw" in text and (out / "reliability.png").exists()
+    res = json.loads((out / "calibration.json").read_text())
+    assert res["rounds_fit"] > 0 and len(res["sts_temperature"]) == 4
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["calibration"]["sts_temperature"] == res["sts_temperature"]
+    loaded = load_dspark(out, tiny).net.sts_temperature.float().tolist()
+    assert loaded == pytest.approx(res["sts_temperature"], rel=1e-2)
+    assert main([*args, "--eval-fraction", "1.5"]) == 2
+    assert "--eval-fraction" in capsys.readouterr().err
+    code = main(
+        ["calibrate", "--target", str(tiny_llama_dir), "--drafter", str(src.parent), "--data", str(regen_dir)]
+    )
+    assert code == 2
