@@ -413,6 +413,7 @@ def _cmd_train(a) -> None:
         eval_prompts=a.eval_prompts,
         seed=a.seed,
         bf16=a.bf16,
+        stop_at=a.stop_at,
     )
     kw = {
         "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},

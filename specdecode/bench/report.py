@@ -156,16 +156,18 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
             "",
             "## Where the time goes",
             "",
-            "| method | draft share | verify share |",
-            "|---|---|---|",
+            "| method | draft share | verify share | draft ms per round |",
+            "|---|---|---|---|",
         ]
         for m in methods:
             rs = [r for r in rows if r["method"] == m and "draft_time_s" in r]
             dec = sum(r["decode_time_s"] for r in rs)
+            rounds = sum(r.get("num_steps", 0) for r in rs)
             if dec > 0:
+                per_round = 1000 * sum(r["draft_time_s"] for r in rs) / max(rounds, 1)
                 lines.append(
                     f"| {m} | {sum(r['draft_time_s'] for r in rs) / dec:.1%} | "
-                    f"{sum(r['verify_time_s'] for r in rs) / dec:.1%} |"
+                    f"{sum(r['verify_time_s'] for r in rs) / dec:.1%} | {per_round:.2f} |"
                 )
         lines.append("")
     lines += ["Plots: " + ", ".join(f"`{p.name}`" for p in _plots(out, summ, rows, cats, methods, temps)), ""]

@@ -2,7 +2,8 @@
 
 Contract: `DFlashTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors)` builds
 a `DFlash` for the target (5 fused feature layers, frozen embedding and head rows of the draft
-vocabulary) and a loss module that packs `num_anchors` random blocks per sequence (context
+vocabulary; its layers start from the target's last decoder layers, `init_from_target`) and a
+loss module that packs `num_anchors` random blocks per sequence (context
 strictly before each anchor) and applies the position-decayed CE on the draft slots.
 `make_drafter()` returns a `DFlashDrafter` over the current weights (served-tau evaluation).
 """
@@ -22,6 +23,49 @@ from specdecode.drafters.dflash.model import (
     t2d_table,
 )
 from specdecode.drafters.eagle.train import draft_vocabulary
+
+LAYER_MAP = {  # drafter layer parameter -> Hugging Face decoder layer parameter
+    "input_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def copy_target_layers(net: DFlash, target) -> list[int] | None:
+    """Start the drafter's layers (and final norm) from the target's last decoder layers, which
+    already map states into the head's space, and the context fusion from the deepest feature
+    layer; a short CPU run learns far faster from there than from a random init. Returns the target layers used, or None when the checkpoint's names are
+    not the Llama/Qwen ones (the random init is kept)."""
+    from specdecode.models.loader import open_checkpoint
+
+    src = open_checkpoint(target.path)
+    pre = "model." if "model.embed_tokens.weight" in src else ""
+    n = target.model.info.num_layers
+    ids = list(range(n - len(net.layers), n))
+    state = {}
+    for j, i in enumerate(ids):
+        for ours, theirs in LAYER_MAP.items():
+            key = f"{pre}layers.{i}.{theirs}"
+            if key not in src:
+                return None
+            state[f"layers.{j}.{ours}"] = src[key].float()
+    if f"{pre}norm.weight" in src:
+        state["norm.weight"] = src[f"{pre}norm.weight"].float()
+    # Context = the deepest fused feature, normed like the first copied layer's input: at init
+    # that layer's context keys/values are exactly the target's own at those positions.
+    d = net.cfg.hidden_size
+    fc = torch.zeros(d, len(net.cfg.feature_layers) * d)
+    fc[:, -d:] = torch.eye(d)
+    state["fc.weight"] = fc
+    state["ctx_norm.weight"] = src[f"{pre}layers.{ids[0]}.input_layernorm.weight"].float()
+    net.load_state_dict(state, strict=False)
+    return ids
 
 
 class DFlashLoss(nn.Module):
@@ -70,6 +114,7 @@ class DFlashTask:
         block_size: int = 8,
         draft_vocab_size: int = 8192,
         num_anchors: int = 32,
+        init_from_target: bool = True,
         **arch,
     ):
         info = target.model.info
@@ -90,6 +135,7 @@ class DFlashTask:
         with torch.no_grad():
             emb = target.model.embed(torch.arange(info.vocab_size, device=info.device)).float().cpu()
         self.net.init_from_target(emb, d2t)
+        self.layers_from = copy_target_layers(self.net, target) if init_from_target else None
         self.net.to(info.device)
         self.target = target
         self.module = self.loss_cls(self.net, target, num_anchors)
