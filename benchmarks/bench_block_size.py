@@ -34,6 +34,7 @@ def time_propose(drafter, target, prompt: list[int], block: int, repeats: int) -
     net.cfg.block_size = block
     if hasattr(net, "sts_temperature") and len(net.sts_temperature) < block:
         net.sts_temperature = torch.ones(block, dtype=net.sts_temperature.dtype)
+        net.sts_bias = torch.zeros(block, dtype=net.sts_bias.dtype)
     layers = tuple(dict.fromkeys(net.cfg.feature_layers))
     ids = torch.tensor(prompt)[None]
     feats = TargetFeatures(target, layers)({"input_ids": ids, "lengths": torch.tensor([len(prompt)])})
@@ -68,7 +69,13 @@ def main() -> None:
     for m in a.methods.split(","):
         drafter = build_drafter(m, target)
         for b in blocks:
-            rows.append({"method": m, "block": b, "draft_ms": 1000 * time_propose(drafter, target, prompt, b, a.repeats)})
+            rows.append(
+                {
+                    "method": m,
+                    "block": b,
+                    "draft_ms": 1000 * time_propose(drafter, target, prompt, b, a.repeats),
+                }
+            )
     for b in blocks:
         rows.append({"method": "target verify", "block": b, "draft_ms": 1000 * verify[b - 1]})
     out = Path(a.out)

@@ -33,6 +33,9 @@ def main() -> None:
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(run / "config.json", dst / "config.json")
     shutil.copy(run / "model.safetensors", dst / "model.safetensors")
+    for extra in ("calibration.json", "reliability.png"):  # DSpark after `specdecode calibrate`
+        if (run / extra).exists():
+            shutil.copy(run / extra, dst / extra)
     tr = cfg["training"]
     data = ""
     if a.data:
@@ -58,6 +61,14 @@ def main() -> None:
         f"{last.get('eval_tau', 'n/a')}; per-position acceptance {last.get('eval_acceptance', 'n/a')}",
         f"- Weights: bf16 safetensors, {size:.1f} MB.",
     ]
+    if "calibration" in cfg:
+        c = cfg["calibration"]
+        lines.append(
+            f"- Confidence calibration (`specdecode calibrate`, {c.get('method', 'sts')}): temperatures "
+            f"{c['sts_temperature']}, biases {c.get('sts_bias', 0)}, fit on {c['rounds_fit']} rounds of "
+            f"{c['prompts']} held-out prompts at T = {c['temperature']}; per-position ECE and AUROC in "
+            "calibration.json, reliability plot reliability.png."
+        )
     if a.note:
         lines += ["", a.note]
     (dst / "README.md").write_text("\n".join(lines) + "\n")

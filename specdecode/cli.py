@@ -198,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--eval-fraction", type=float, default=0.33, help="rounds held out to report the ECE on")
     c.add_argument("--max-batch", type=int, default=8)
+    c.add_argument(
+        "--bias",
+        action="store_true",
+        help="also fit a per-position bias (not in the paper; for heads off by a constant, e.g. over-fitted)",
+    )
     c.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     c.add_argument("--device", default=None)
 
@@ -462,6 +467,7 @@ def _cmd_calibrate(a) -> None:
         dtype=a.dtype,
         device=a.device,
         max_batch=a.max_batch,
+        bias=a.bias,
     )
     print(
         f"{res['prompts']} prompts at T = {res['temperature']}: {res['rounds_fit']} rounds fit, "

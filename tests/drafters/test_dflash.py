@@ -185,24 +185,46 @@ def test_ece_and_auroc():
     assert ece(torch.tensor([1.0, 0.0]), torch.tensor([1, 0])) == 0.0
 
 
+def _sequential_labels(p, g):
+    """Accepted counts when position k survives with probability p[:, k] given k-1 did."""
+    N, K = p.shape
+    acc = torch.zeros(N, dtype=torch.long)
+    alive = torch.ones(N, dtype=torch.bool)
+    for k in range(K):
+        alive &= torch.rand(N, generator=g, dtype=torch.float64) < p[:, k]
+        acc += alive.long()
+    return acc
+
+
 def test_sts_recovers_over_confident_positions():
     """Labels drawn from sigmoid(z / 2): raw confidences are over-confident, STS finds t ~ 2."""
     g = torch.Generator().manual_seed(0)
     N, K = 20000, 3
     z = torch.randn(N, K, generator=g, dtype=torch.float64) * 3 + 1
-    p = torch.sigmoid(z / 2)
-    acc = torch.zeros(N, dtype=torch.long)
-    alive = torch.ones(N, dtype=torch.bool)
-    for k in range(K):  # sequential acceptance: position k survives with prob p_k given k-1 did
-        alive &= torch.rand(N, generator=g, dtype=torch.float64) < p[:, k]
-        acc += alive.long()
+    acc = _sequential_labels(torch.sigmoid(z / 2), g)
     drafted = torch.ones(N, K, dtype=torch.bool)
-    temps = fit_sts(z, drafted, acc)
-    assert all(1.6 < t < 2.5 for t in temps)
+    temps, biases = fit_sts(z, drafted, acc)
+    assert all(1.6 < t < 2.5 for t in temps) and biases == [0.0] * K
     before, after = report(z, drafted, acc, [1.0] * K), report(z, drafted, acc, temps)
     assert all(a["ece"] < 0.02 < b["ece"] for a, b in zip(after, before, strict=True))
     assert labels(torch.tensor([0, 2]), 3).tolist() == [[False, False, False], [True, True, False]]
     assert survival(torch.zeros(1, 2), [1.0, 1.0]).tolist() == [[0.5, 0.25]]
+
+
+def test_a_constant_offset_needs_the_opt_in_bias():
+    """Labels from sigmoid(z - 1.5): no temperature fixes a shifted logit; temperature + bias does."""
+    from specdecode.drafters.dspark.calibrate import BIAS_GRID
+
+    g = torch.Generator().manual_seed(1)
+    N, K = 20000, 2
+    z = torch.randn(N, K, generator=g, dtype=torch.float64) * 2 + 1
+    acc = _sequential_labels(torch.sigmoid(z - 1.5), g)
+    drafted = torch.ones(N, K, dtype=torch.bool)
+    t_only = report(z, drafted, acc, *fit_sts(z, drafted, acc))
+    temps, biases = fit_sts(z, drafted, acc, bias_grid=BIAS_GRID)
+    both = report(z, drafted, acc, temps, biases)
+    assert t_only[0]["ece"] > 0.03 and all(r["ece"] < 0.02 for r in both)
+    assert -2.0 < biases[0] < -1.0
 
 
 def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
@@ -221,11 +243,14 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
     assert code == 0, err
     assert "ECE raw" in text and (out / "reliability.png").exists()
     res = json.loads((out / "calibration.json").read_text())
-    assert res["rounds_fit"] > 0 and len(res["sts_temperature"]) == 4
+    assert res["rounds_fit"] > 0 and len(res["sts_temperature"]) == 4 and res["sts_bias"] == [0.0] * 4
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["calibration"]["sts_temperature"] == res["sts_temperature"]
     loaded = load_dspark(out, tiny).net.sts_temperature.float().tolist()
     assert loaded == pytest.approx(res["sts_temperature"], rel=1e-2)
+    assert main([*args, "--num-prompts", "4", "--max-new-tokens", "16", "--dtype", "fp32", "--bias"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "calibration.json").read_text())["method"] == "sts+bias"
     assert main([*args, "--eval-fraction", "1.5"]) == 2
     assert "--eval-fraction" in capsys.readouterr().err
     code = main(

@@ -89,7 +89,8 @@ class DFlashDrafter(Drafter):
         )
         self.cache.check_room(todo, [f.shape[0] for f in feats])
         ctx = self.net.fuse(torch.cat(feats)[None])  # [1, N, d]
-        for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None].to(self.device))):
+        sl, rows = sl.to(self.device), rows.to(self.device)
+        for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None])):
             self.cache.k[layer][sl, :, rows] = k[0]  # [N, Hk, D]
             self.cache.v[layer][sl, :, rows] = v[0]
         for s, f in zip(todo, feats, strict=True):
@@ -105,7 +106,7 @@ class DFlashDrafter(Drafter):
         if not torch.equal(lens, anchor_pos):
             raise RuntimeError(f"dflash context cache out of step: {lens.tolist()} != {anchor_pos.tolist()}")
         T = int(lens.max())
-        sl = torch.tensor(slots)
+        sl = torch.tensor(slots, device=self.device)
         ctx_kv = [
             (self.cache.k[i][sl, :, :T].transpose(1, 2), self.cache.v[i][sl, :, :T].transpose(1, 2))
             for i in range(self.net.cfg.num_layers)

@@ -40,8 +40,9 @@ LAYER_MAP = {  # drafter layer parameter -> Hugging Face decoder layer parameter
 def copy_target_layers(net: DFlash, target) -> list[int] | None:
     """Start the drafter's layers (and final norm) from the target's last decoder layers, which
     already map states into the head's space, and the context fusion from the deepest feature
-    layer; a short CPU run learns far faster from there than from a random init. Returns the target layers used, or None when the checkpoint's names are
-    not the Llama/Qwen ones (the random init is kept)."""
+    layer; a short CPU run learns far faster from there than from a random init. Returns the
+    target layers used, or None when the checkpoint's names are not the Llama/Qwen ones (the
+    random init is kept)."""
     from specdecode.models.loader import open_checkpoint
 
     src = open_checkpoint(target.path)

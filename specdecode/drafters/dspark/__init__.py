@@ -8,6 +8,8 @@ train.py: trainer task; calibrate.py: sequential temperature scaling (`specdecod
 
 from __future__ import annotations
 
+import torch
+
 from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.drafters.dflash.model import DFlashConfig
 from specdecode.drafters.dspark.drafter import DSparkDrafter
@@ -21,6 +23,7 @@ def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "su
 
     arch, state = load_checkpoint(path, "dspark", target)
     net = DSpark(DFlashConfig.from_json(arch))
+    state.setdefault("sts_bias", torch.zeros(net.cfg.block_size))  # checkpoints from before the option
     net.load_state_dict(state)
     net.to(device=target.model.info.device, dtype=drafter_dtype(target))
     drafter = DSparkDrafter(net, target, confidence_threshold, threshold_on)

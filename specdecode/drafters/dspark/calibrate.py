@@ -6,7 +6,10 @@ Contract:
 - `fit_sts(z [N, K], drafted [N, K], accepted [N], grid)`: one temperature per position, fit left
   to right: for position k every grid value is tried with positions < k frozen, and the one
   with the lowest ECE of the cumulative product a_k = prod_{i<=k} sigmoid(z_i / t_i) against the
-  prefix-accepted label (accepted >= k) over the rounds that drafted position k wins.
+  prefix-accepted label (accepted >= k) over the rounds that drafted position k wins. Opt-in
+  (`bias_grid`, `calibrate --bias`, not in the paper): a per-position bias b_k searched jointly,
+  sigmoid(z_k / t_k + b_k), for a head whose confidences are off by a constant (a temperature
+  alone cannot move a logit's sign; an over-fitted head is over-confident everywhere).
 - `survival(z, temps)` -> a [N, K]; `report(z, drafted, accepted, temps)` -> per-position
   {n, rate, ece, auroc}.
 - `collect(target, drafter, prompts, ...)`: runs real speculative decoding (fixed K = the
@@ -33,18 +36,18 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_GRID = tuple(round(math.exp(x / 20), 4) for x in range(-46, 47))  # 0.1 .. 10, log-spaced
+BIAS_GRID = tuple(round(x / 10, 2) for x in range(-40, 21))  # -4 .. 2 (opt-in, not in the paper)
 
 
 def ece(p: torch.Tensor, y: torch.Tensor, bins: int = 20) -> float:
     if len(p) == 0:
         return float("nan")
-    idx = (p.clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    err = 0.0
-    for b in range(bins):
-        m = idx == b
-        if m.any():
-            err += float(m.sum()) * abs(float(p[m].mean()) - float(y[m].float().mean()))
-    return err / len(p)
+    p = p.double().clamp(0, 1)
+    idx = (p * bins).long().clamp(max=bins - 1)
+    gap = torch.bincount(idx, weights=p, minlength=bins) - torch.bincount(
+        idx, weights=y.double(), minlength=bins
+    )
+    return float(gap.abs().sum()) / len(p)
 
 
 def auroc(p: torch.Tensor, y: torch.Tensor) -> float:
@@ -63,9 +66,10 @@ def auroc(p: torch.Tensor, y: torch.Tensor) -> float:
     return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
-def survival(z: torch.Tensor, temps) -> torch.Tensor:
+def survival(z: torch.Tensor, temps, biases=None) -> torch.Tensor:
     t = torch.as_tensor(temps, dtype=torch.float64)[: z.shape[1]]
-    return torch.sigmoid(z.double() / t).cumprod(dim=1)
+    b = torch.zeros_like(t) if biases is None else torch.as_tensor(biases, dtype=torch.float64)[: z.shape[1]]
+    return torch.sigmoid(z.double() / t + b).cumprod(dim=1)
 
 
 def labels(accepted: torch.Tensor, K: int) -> torch.Tensor:
@@ -73,26 +77,29 @@ def labels(accepted: torch.Tensor, K: int) -> torch.Tensor:
     return accepted[:, None] >= torch.arange(1, K + 1)[None]
 
 
-def fit_sts(z, drafted, accepted, grid=DEFAULT_GRID, bins: int = 20) -> list[float]:
+def fit_sts(z, drafted, accepted, grid=DEFAULT_GRID, bins: int = 20, bias_grid=None):
+    """-> (temperatures, biases) per position; biases stay 0 unless `bias_grid` is given."""
     K = z.shape[1]
     y = labels(accepted, K)
-    temps = [1.0] * K
+    temps, biases = [1.0] * K, [0.0] * K
+    prefix = torch.ones(z.shape[0], dtype=torch.float64)  # a_{k-1} with earlier positions frozen
     for k in range(K):
         m = drafted[:, k]
-        if int(m.sum()) == 0:
-            continue
-        best = (float("inf"), 1.0)
-        for t in grid:
-            trial = [*temps[:k], float(t), *temps[k + 1 :]]
-            a = survival(z[m], trial)[:, k]
-            best = min(best, (ece(a, y[m, k], bins), float(t)))
-        temps[k] = best[1]
-    return temps
+        if int(m.sum()) > 0:
+            best = (float("inf"), 1.0, 0.0)
+            zk, pk, yk = z[m, k].double(), prefix[m], y[m, k]
+            for t in grid:
+                for b in bias_grid or (0.0,):
+                    a = pk * torch.sigmoid(zk / t + b)
+                    best = min(best, (ece(a, yk, bins), float(t), float(b)))
+            temps[k], biases[k] = best[1], best[2]
+        prefix = prefix * torch.sigmoid(z[:, k].double() / temps[k] + biases[k])
+    return temps, biases
 
 
-def report(z, drafted, accepted, temps, bins: int = 20) -> list[dict]:
+def report(z, drafted, accepted, temps, biases=None, bins: int = 20) -> list[dict]:
     K = z.shape[1]
-    y, a = labels(accepted, K), survival(z, temps)
+    y, a = labels(accepted, K), survival(z, temps, biases)
     rows = []
     for k in range(K):
         m = drafted[:, k]
@@ -117,8 +124,9 @@ def collect(
     from specdecode.policy import FixedK
 
     K = drafter.net.cfg.num_drafts
-    saved = drafter.net.sts_temperature.clone()
+    saved = drafter.net.sts_temperature.clone(), drafter.net.sts_bias.clone()
     drafter.net.sts_temperature.fill_(1.0)
+    drafter.net.sts_bias.fill_(0.0)
     rows_z, rows_d, rows_a = [], [], []
     inner = drafter.advance
 
@@ -147,7 +155,8 @@ def collect(
         dec.generate(reqs)
     finally:
         drafter.advance = inner
-        drafter.net.sts_temperature.copy_(saved)
+        drafter.net.sts_temperature.copy_(saved[0])
+        drafter.net.sts_bias.copy_(saved[1])
     if not rows_z:
         raise SpecDecodeError("calibration collected no drafting rounds; use more or longer prompts")
     return torch.stack(rows_z), torch.stack(rows_d), torch.tensor(rows_a)
@@ -182,14 +191,15 @@ def heldout_prompts(data_dir, target, limit: int) -> list[list[int]]:
     return out
 
 
-def write_temperatures(drafter_dir, temps: list[float], record: dict) -> None:
-    """Store the STS temperatures in the checkpoint (atomic replace of weights, then config)."""
+def write_temperatures(drafter_dir, temps: list[float], biases: list[float], record: dict) -> None:
+    """Store the STS temperatures (and biases) in the checkpoint (atomic: weights, then config)."""
     from safetensors.torch import load_file, save_file
 
     d = Path(drafter_dir)
     weights = load_file(str(d / "model.safetensors"))
     old = weights["sts_temperature"]
     weights["sts_temperature"] = torch.tensor(temps, dtype=torch.float32).to(old.dtype)
+    weights["sts_bias"] = torch.tensor(biases, dtype=torch.float32).to(old.dtype)
     tmp = d / "model.safetensors.tmp"
     save_file(weights, str(tmp))
     os.replace(tmp, d / "model.safetensors")
@@ -200,7 +210,7 @@ def write_temperatures(drafter_dir, temps: list[float], record: dict) -> None:
     os.replace(tmp, d / "config.json")
 
 
-def plot(path, z, drafted, accepted, before, after, bins: int = 10) -> None:
+def plot(path, z, drafted, accepted, before, after, biases=None, bins: int = 10) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,8 +220,8 @@ def plot(path, z, drafted, accepted, before, after, bins: int = 10) -> None:
     y = labels(accepted, K)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     ax = axes[0]
-    for name, temps, style in (("raw", before, "--"), ("STS", after, "-")):
-        a = survival(z, temps)
+    for name, temps, bias, style in (("raw", before, None, "--"), ("STS", after, biases, "-")):
+        a = survival(z, temps, bias)
         m = drafted
         p, t = a[m], y[m].double()
         idx = (p * bins).long().clamp(max=bins - 1)
@@ -224,7 +234,7 @@ def plot(path, z, drafted, accepted, before, after, bins: int = 10) -> None:
     ax.set_title("Reliability")
     ax.legend()
     ax = axes[1]
-    r0, r1 = report(z, drafted, accepted, before), report(z, drafted, accepted, after)
+    r0, r1 = report(z, drafted, accepted, before), report(z, drafted, accepted, after, biases)
     ks = [r["position"] for r in r0]
     ax.bar([k - 0.2 for k in ks], [100 * r["ece"] for r in r0], width=0.4, label="raw")
     ax.bar([k + 0.2 for k in ks], [100 * r["ece"] for r in r1], width=0.4, label="STS")
@@ -249,6 +259,7 @@ def calibrate(
     dtype: str = "bf16",
     device: str | None = None,
     max_batch: int = 8,
+    bias: bool = False,
     write: bool = True,
 ) -> dict:
     from specdecode.drafters.dspark import load_dspark
@@ -269,36 +280,40 @@ def calibrate(
     ev = (z[n_fit:], drafted[n_fit:], accepted[n_fit:]) if n_fit < len(z) else fit
     K = z.shape[1]
     ones = [1.0] * K
-    temps = fit_sts(*fit)
-    temps = [float(torch.tensor(t).to(torch.bfloat16).float()) for t in temps]  # as stored (bf16)
+    temps, biases = fit_sts(*fit, bias_grid=BIAS_GRID if bias else None)
+    stored = lambda xs: [float(torch.tensor(x).to(torch.bfloat16).float()) for x in xs]  # noqa: E731
+    temps, biases = stored(temps), stored(biases)  # as the bf16 checkpoint keeps them
     result = {
+        "method": "sts+bias" if bias else "sts",
         "temperature": temperature,
         "prompts": len(prompts),
         "rounds_fit": n_fit,
         "rounds_eval": len(z) - n_fit,
         "sts_temperature": temps,
+        "sts_bias": biases,
         "before": report(*ev, ones),
-        "after": report(*ev, temps),
-        "after_fit_rounds": report(*fit, temps),
+        "after": report(*ev, temps, biases),
+        "after_fit_rounds": report(*fit, temps, biases),
     }
     d = Path(drafter_dir)
     if write:
-        write_temperatures(
-            d, temps, {k: result[k] for k in ("temperature", "prompts", "rounds_fit", "sts_temperature")}
-        )
+        keys = ("method", "temperature", "prompts", "rounds_fit", "sts_temperature", "sts_bias")
+        write_temperatures(d, temps, biases, {k: result[k] for k in keys})
         (d / "calibration.json").write_text(json.dumps(result, indent=2))
-        plot(d / "reliability.png", *ev, ones, temps)
+        plot(d / "reliability.png", *ev, ones, temps, biases)
     return result
 
 
 def format_table(result: dict) -> str:
     lines = [
-        "| position | rounds | prefix acceptance | ECE raw | ECE STS | AUROC raw | AUROC STS | temperature |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| position | rounds | prefix acceptance | ECE raw | ECE STS | AUROC raw | AUROC STS "
+        "| temperature | bias |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for b, a, t in zip(result["before"], result["after"], result["sts_temperature"], strict=True):
+    rows = zip(result["before"], result["after"], result["sts_temperature"], result["sts_bias"], strict=True)
+    for b, a, t, bias in rows:
         lines.append(
             f"| {b['position']} | {b['n']} | {b['rate']:.3f} | {100 * b['ece']:.2f} % "
-            f"| {100 * a['ece']:.2f} % | {b['auroc']:.3f} | {a['auroc']:.3f} | {t:.3g} |"
+            f"| {100 * a['ece']:.2f} % | {b['auroc']:.3f} | {a['auroc']:.3f} | {t:.3g} | {bias:.2g} |"
         )
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 Contract:
 - `DSparkDrafter(net, target, confidence_threshold=None, threshold_on="survival")` extends
   `DFlashDrafter` (same context cache and block forward; all block slots are drafts). For slot
-  k = 1..K in order: c_k = sigmoid(conf([h_k ; W1[x_{k-1}]]) / sts_temperature[k]) (x_0 = the
+  k = 1..K in order: c_k = sigmoid(conf([h_k ; W1[x_{k-1}]]) / sts_temperature[k] + sts_bias[k]) (x_0 = the
   anchor), then x_k is sampled from q_k = process(U_k + W2(W1[x_{k-1}])) with the request's
   generator; q_k, the corrected distribution, is what rejection sampling uses.
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
@@ -59,9 +59,8 @@ class DSparkDrafter(DFlashDrafter):
         conf = torch.zeros(n, K)
         survival = torch.ones(n)
         for j in range(K):
-            c = torch.sigmoid(
-                net.confidence_logit(states[:, j], prev).float() / net.sts_temperature[j].float()
-            ).cpu()
+            z = net.confidence_logit(states[:, j], prev).float()
+            c = torch.sigmoid(z / net.sts_temperature[j].float() + net.sts_bias[j].float()).cpu()
             conf[:, j] = c
             survival = survival * c
             if self.threshold is not None:

@@ -10,7 +10,8 @@ Contract:
   slot given the token before it (x_0 = the anchor). `confidence_logit(h [.., d], prev)` =
   Linear(d + r -> 1)([h ; W1[prev]]); c = sigmoid(logit / sts_temperature[k]), the probability
   that draft k is accepted given every earlier draft was; known before x_k is sampled.
-  `sts_temperature` [block_size] is a buffer (ones until `specdecode calibrate` fits it).
+  `sts_temperature` [block_size] is a buffer (ones until `specdecode calibrate` fits it); with
+  `calibrate --bias` a per-position `sts_bias` is added to the scaled logit (zeros otherwise).
 - `dspark_loss(net, head_w, t2d, packed, target_logits)`: with p_d = softmax of the teacher-forced
   Markov logits and p_t = the target's next-token distribution at the aligned position (T = 1),
   every term weighted exp(-(k-1)/4) and normalised by the weight sum:
@@ -40,6 +41,7 @@ class DSpark(DFlash):
         nn.init.zeros_(self.W2.weight)
         self.conf = nn.Linear(cfg.hidden_size + r, 1)
         self.register_buffer("sts_temperature", torch.ones(cfg.block_size))  # [block_size]
+        self.register_buffer("sts_bias", torch.zeros(cfg.block_size))  # [block_size] (opt-in, 0)
 
     def markov_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return U + self.W2(self.W1(prev)).to(U.dtype)
