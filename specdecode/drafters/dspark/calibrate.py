@@ -220,7 +220,8 @@ def plot(path, z, drafted, accepted, before, after, biases=None, bins: int = 10)
     y = labels(accepted, K)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     ax = axes[0]
-    for name, temps, bias, style in (("raw", before, None, "--"), ("STS", after, biases, "-")):
+    fitted = "STS + bias" if biases is not None and any(biases) else "STS"
+    for name, temps, bias, style in (("raw", before, None, "--"), (fitted, after, biases, "-")):
         a = survival(z, temps, bias)
         m = drafted
         p, t = a[m], y[m].double()
@@ -237,7 +238,7 @@ def plot(path, z, drafted, accepted, before, after, biases=None, bins: int = 10)
     r0, r1 = report(z, drafted, accepted, before), report(z, drafted, accepted, after, biases)
     ks = [r["position"] for r in r0]
     ax.bar([k - 0.2 for k in ks], [100 * r["ece"] for r in r0], width=0.4, label="raw")
-    ax.bar([k + 0.2 for k in ks], [100 * r["ece"] for r in r1], width=0.4, label="STS")
+    ax.bar([k + 0.2 for k in ks], [100 * r["ece"] for r in r1], width=0.4, label=fitted)
     ax.set_xlabel("draft position k")
     ax.set_ylabel("ECE of a_k (%)")
     ax.set_title("Per-position ECE (evaluation rounds)")
