@@ -8,6 +8,9 @@ Contract:
 - `load_checkpoint(path, method, target)` -> (arch dict, state dict). It refuses, with the reason
   and what to do: a missing directory or file, another method's checkpoint, and a checkpoint
   trained for another target (fingerprint = target config + tokenizer hash).
+- `load_net(path, method, target, build, defaults)` -> the checkpoint's network built by
+  `build(arch)`, weights loaded (`defaults(net)` fills tensors older checkpoints lack), moved to the
+  target's device in `drafter_dtype(target)`: what every learned drafter's loader starts with.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
   that target and method, or None.
 """
@@ -136,3 +139,23 @@ def shipped_drafter(method: str, target) -> Path | None:
             if cfg.get("method") == method and cfg["target"].get("fingerprint") == target.fingerprint:
                 return d
     return None
+
+
+def drafter_dtype(target) -> torch.dtype:
+    """The target's dtype, except fp32 on CPUs without native bf16 products (a small net gains
+    nothing from bf16 there and its matmuls run on a slow generic kernel)."""
+    from specdecode.models.native import cpu_has_fast_bf16
+
+    info = target.model.info
+    if info.device.type == "cpu" and info.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        return torch.float32
+    return info.dtype
+
+
+def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module:
+    arch, state = load_checkpoint(path, method, target)
+    net = build(arch)
+    for k, v in (defaults(net) if defaults else {}).items():
+        state.setdefault(k, v)
+    net.load_state_dict(state)
+    return net.to(device=target.model.info.device, dtype=drafter_dtype(target))

@@ -132,7 +132,7 @@ def _drafter(
 
 
 def load_distilled(path, target) -> DraftModelDrafter:
-    from specdecode.drafters.eagle import drafter_dtype
+    from specdecode.drafters.checkpoint import drafter_dtype
 
     arch, state = load_checkpoint(path, "draft", target)
     return _drafter(target, state, arch["num_layers"], drafter_dtype(target), fingerprint=f"draft:{path}")

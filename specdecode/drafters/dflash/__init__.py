@@ -6,7 +6,7 @@ trainer task. `load_dflash(path, target)` builds a ready drafter from a checkpoi
 
 from __future__ import annotations
 
-from specdecode.drafters.checkpoint import load_checkpoint
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.dflash.drafter import DFlashDrafter
 from specdecode.drafters.dflash.model import DFlash, DFlashConfig, dflash_layers
 
@@ -14,12 +14,7 @@ __all__ = ["DFlash", "DFlashConfig", "DFlashDrafter", "dflash_layers", "load_dfl
 
 
 def load_dflash(path, target) -> DFlashDrafter:
-    from specdecode.drafters.eagle import drafter_dtype
-
-    arch, state = load_checkpoint(path, "dflash", target)
-    net = DFlash(DFlashConfig.from_json(arch))
-    net.load_state_dict(state)
-    net.to(device=target.model.info.device, dtype=drafter_dtype(target))
+    net = load_net(path, "dflash", target, lambda arch: DFlash(DFlashConfig.from_json(arch)))
     drafter = DFlashDrafter(net, target)
     drafter.fingerprint = f"dflash:{path}"
     return drafter

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.checkpoint import load_checkpoint
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.dflash.model import DFlashConfig
 from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark
@@ -19,13 +19,14 @@ __all__ = ["DSpark", "DSparkDrafter", "load_dspark"]
 
 
 def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "survival") -> DSparkDrafter:
-    from specdecode.drafters.eagle import drafter_dtype
-
-    arch, state = load_checkpoint(path, "dspark", target)
-    net = DSpark(DFlashConfig.from_json(arch))
-    state.setdefault("sts_bias", torch.zeros(net.cfg.block_size))  # checkpoints from before the option
-    net.load_state_dict(state)
-    net.to(device=target.model.info.device, dtype=drafter_dtype(target))
+    # Checkpoints from before the opt-in bias have no `sts_bias`: zeros are what they meant.
+    net = load_net(
+        path,
+        "dspark",
+        target,
+        lambda arch: DSpark(DFlashConfig.from_json(arch)),
+        defaults=lambda net: {"sts_bias": torch.zeros(net.cfg.block_size)},
+    )
     drafter = DSparkDrafter(net, target, confidence_threshold, threshold_on)
     drafter.fingerprint = f"dspark:{path}"
     return drafter

@@ -5,7 +5,7 @@ model.py: heads and loss; drafter.py: inference; train.py: the trainer task.
 
 from __future__ import annotations
 
-from specdecode.drafters.checkpoint import load_checkpoint
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.medusa.drafter import MedusaDrafter, default_paths
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.tree import tree_from_paths
@@ -14,12 +14,7 @@ __all__ = ["Medusa", "MedusaConfig", "MedusaDrafter", "default_paths", "load_med
 
 
 def load_medusa(path, target, tree: bool = False, num_nodes: int = 16) -> MedusaDrafter:
-    from specdecode.drafters.eagle import drafter_dtype
-
-    arch, state = load_checkpoint(path, "medusa", target)
-    net = Medusa(MedusaConfig.from_json(arch))
-    net.load_state_dict(state)
-    net.to(device=target.model.info.device, dtype=drafter_dtype(target))
+    net = load_net(path, "medusa", target, lambda arch: Medusa(MedusaConfig.from_json(arch)))
     shape = tree_from_paths(default_paths(num_nodes, net.cfg.num_heads)) if tree else None
     drafter = MedusaDrafter(net, target, tree=shape)
     drafter.fingerprint = f"medusa:{path}"
