@@ -12,6 +12,8 @@ Contract:
 - `advance(batch, proposal, num_accepted, target_out)` is called after verification with the
   number of drafts accepted per row and the target's forward output for the verify block
   (hidden states of `needs_hidden` layers included), so stateful drafters can catch up.
+- `gather_features(hidden, layers, b, rows)` concatenates captured layers (for one request `b`
+  and some rows) into one `[n, sum d]` tensor, or None when a layer was not captured.
 - Everything a drafter draws at random comes from `DraftRow.generator`, per request, so a
   request's output never depends on the other requests in its batch.
 """
@@ -83,3 +85,15 @@ class Drafter:
 
     def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
         pass
+
+
+def gather_features(hidden: dict, layers, b: int | None = None, rows=None) -> torch.Tensor | None:
+    """Captured states of `layers` side by side: `hidden[layer]` is [n, d] (b None) or [B, n, d]."""
+    parts = []
+    for layer in layers:
+        h = hidden[layer]
+        if h is None:
+            return None
+        h = h if b is None else h[b]
+        parts.append(h if rows is None else h[rows])
+    return torch.cat(parts, dim=-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
 from specdecode.drafters.layers import draft_to_full_logits
 from specdecode.models.kv_cache import KVCache
@@ -66,14 +66,8 @@ class DFlashDrafter(Drafter):
 
     def _features(self, hidden: dict, b: int | None, rows=None) -> torch.Tensor | None:
         """Concatenate the captured layers -> [n, 5d] in the drafter dtype."""
-        parts = []
-        for layer in self.layers:
-            h = hidden[layer]
-            if h is None:
-                return None
-            h = h if b is None else h[b]
-            parts.append(h if rows is None else h[rows])
-        return torch.cat(parts, dim=-1).to(self.device, self.dtype)
+        x = gather_features(hidden, self.layers, b, rows)
+        return None if x is None else x.to(self.device, self.dtype)
 
     # ---- context cache --------------------------------------------------------------------
     @torch.no_grad()

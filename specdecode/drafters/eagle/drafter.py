@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
 from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
 from specdecode.models.kv_cache import KVCache
@@ -84,14 +84,8 @@ class EagleDrafter(Drafter):
 
     def _features(self, hidden: dict, b: int | None, rows=None) -> torch.Tensor:
         """Concatenate the captured layers (low ; mid ; high) -> [n, 3d] in the drafter dtype."""
-        parts = []
-        for layer in self.layers:
-            h = hidden[layer]
-            if h is None:
-                return None
-            h = h if b is None else h[b]
-            parts.append(h if rows is None else h[rows])
-        return torch.cat(parts, dim=-1).to(self.device, self.dtype)
+        x = gather_features(hidden, self.layers, b, rows)
+        return None if x is None else x.to(self.device, self.dtype)
 
     # ---- the layer over cached rows -------------------------------------------------------
     @torch.no_grad()
