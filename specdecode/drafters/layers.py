@@ -8,6 +8,8 @@ Contract:
   decides what the queries attend to (training-time-test blocks, a per-slot KV cache, a tree).
 - `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
+- `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
+  its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
 - `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
   every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
@@ -78,6 +80,21 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def target_shape(info, config, draft_vocab_size: int) -> dict:
+    """Config fields taken from the target (`info`: ModelInfo, `config`: its HF config)."""
+    return dict(
+        hidden_size=info.hidden_size,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        intermediate_size=getattr(config, "intermediate_size", 4 * info.hidden_size),
+        draft_vocab_size=min(draft_vocab_size, info.vocab_size),
+        target_vocab_size=info.vocab_size,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+        rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
+    )
 
 
 def draft_to_full_logits(small: torch.Tensor, d2t: torch.Tensor, vocab_rows: int) -> torch.Tensor:

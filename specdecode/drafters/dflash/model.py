@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, apply_rope, rope_table
+from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, apply_rope, rope_table, target_shape
 
 
 def dflash_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -88,16 +88,8 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, info, config, draft_vocab_size: int, **kw) -> DFlashConfig:
         return cls(
-            hidden_size=info.hidden_size,
-            num_heads=info.num_heads,
-            num_kv_heads=info.num_kv_heads,
-            head_dim=info.head_dim,
-            intermediate_size=getattr(config, "intermediate_size", 4 * info.hidden_size),
+            **target_shape(info, config, draft_vocab_size),
             feature_layers=dflash_layers(info.num_layers),
-            draft_vocab_size=min(draft_vocab_size, info.vocab_size),
-            target_vocab_size=info.vocab_size,
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
-            rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
             **kw,
         )
 

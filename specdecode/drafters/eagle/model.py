@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, rope_table, shifted_kl
+from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, rope_table, shifted_kl, target_shape
 
 
 @dataclass
@@ -56,16 +56,8 @@ class EagleConfig:
         """EAGLE-3's layer choice: low = layer 1, middle = L/2 - 1, high = L - 4 (0-based)."""
         n = info.num_layers
         return cls(
-            hidden_size=info.hidden_size,
-            num_heads=info.num_heads,
-            num_kv_heads=info.num_kv_heads,
-            head_dim=info.head_dim,
-            intermediate_size=getattr(config, "intermediate_size", 4 * info.hidden_size),
+            **target_shape(info, config, draft_vocab_size),
             feature_layers=(min(1, n - 1), max(0, n // 2 - 1), max(0, n - 4)),
-            draft_vocab_size=min(draft_vocab_size, info.vocab_size),
-            target_vocab_size=info.vocab_size,
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
-            rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
         )
 
 

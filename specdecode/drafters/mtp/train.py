@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.eagle.train import draft_vocabulary
+from specdecode.drafters.layers import target_shape
 from specdecode.drafters.mtp.drafter import MTPDrafter
 from specdecode.drafters.mtp.model import MTP, MTPConfig, mtp_loss
 from specdecode.models.base import FINAL_NORM
@@ -40,18 +41,7 @@ class MTPTask:
 
     def __init__(self, target, seqs, num_modules: int = 3, draft_vocab_size: int = 8192):
         info, config = target.model.info, target.config
-        cfg = MTPConfig(
-            hidden_size=info.hidden_size,
-            num_modules=num_modules,
-            num_heads=info.num_heads,
-            num_kv_heads=info.num_kv_heads,
-            head_dim=info.head_dim,
-            intermediate_size=getattr(config, "intermediate_size", 4 * info.hidden_size),
-            draft_vocab_size=min(draft_vocab_size, info.vocab_size),
-            target_vocab_size=info.vocab_size,
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
-            rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
-        )
+        cfg = MTPConfig(**target_shape(info, config, draft_vocab_size), num_modules=num_modules)
         d2t, self.coverage = draft_vocabulary(
             seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
         )
