@@ -54,17 +54,19 @@ class DSparkDrafter(DFlashDrafter):
         params = [batch[b].params for b in idx]
         U = net.logits(states[:, :K], self.head_w)  # [B', K, Vd] backbone logits
         prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
-        ids = torch.zeros(n, K, dtype=torch.long)
+        # Drafts and confidences stay on the device; the host reads them once at the end (and
+        # per slot only when a threshold has to be checked).
+        ids = torch.zeros(n, K, dtype=torch.long, device=self.device)
         q = torch.zeros(n, K, self.vocab_rows, device=self.device)
-        conf = torch.zeros(n, K)
-        survival = torch.ones(n)
+        conf = torch.zeros(n, K, device=self.device)
+        survival = torch.ones(n, device=self.device)
         for j in range(K):
             z = net.confidence_logit(states[:, j], prev).float()
-            c = torch.sigmoid(z / net.sts_temperature[j].float() + net.sts_bias[j].float()).cpu()
+            c = torch.sigmoid(z / net.sts_temperature[j].float() + net.sts_bias[j].float())
             conf[:, j] = c
             survival = survival * c
             if self.threshold is not None:
-                score = survival if self.threshold_on == "survival" else c
+                score = (survival if self.threshold_on == "survival" else c).tolist()
                 for i in range(n):
                     if j < num[i] and score[i] < self.threshold:
                         num[i] = j  # stop before sampling x_j: decided from x_{<j} only
@@ -73,7 +75,7 @@ class DSparkDrafter(DFlashDrafter):
             full = draft_to_full_logits(net.markov_logits(U[:, j], prev), net.d2t, self.vocab_rows)
             q[:, j] = process_logits_batch(full[:, None], params, self.vocab_size)[:, 0]
             x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device))  # [B']
-            ids[:, j] = x.cpu()
-            prev = self.t2d[x.to(self.device)]
+            ids[:, j] = x
+            prev = self.t2d[x]
         K = max(max(num), 0)
-        return ids[:, :K], q[:, :K], num, {"confidences": conf[:, :K]}
+        return ids[:, :K].cpu(), q[:, :K], num, {"confidences": conf[:, :K].cpu()}
