@@ -31,7 +31,18 @@ SPLITS = ("train", "heldout")
 META = "meta.json"
 
 
-def _read_prompts(data_dir: Path, split: str) -> list[dict]:
+def prompt_ids(target, record: dict) -> list[int]:
+    """A prompt-set record's token ids: the chat template when the target has one, else the
+    user text as is (a base model)."""
+    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    if chat:
+        item = PromptItem(id=record["id"], messages=record["messages"])
+    else:
+        item = PromptItem(id=record["id"], prompt=record["messages"][-1]["content"])
+    return encode_prompt(target.tokenizer, item, chat=chat)
+
+
+def read_prompts(data_dir: Path, split: str) -> list[dict]:
     path = data_dir / f"{split}.jsonl"
     if not path.is_file():
         raise SpecDecodeError(
@@ -115,9 +126,8 @@ def regenerate(
     _check_meta(out_dir, meta, overwrite)
     decoder = SpeculativeDecoder(target, ARDrafter(), max_batch=batch_size)
     eos = target.eos_token_ids[0] if target.eos_token_ids else None
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
     for split in splits:
-        records = _read_prompts(data_dir, split)[:limit]
+        records = read_prompts(data_dir, split)[:limit]
         path = out_dir / f"{split}.jsonl"
         done = _done_ids(path)
         todo = [r for r in records if r["id"] not in done]
@@ -135,11 +145,7 @@ def regenerate(
                 chunk = todo[start : start + batch_size]
                 reqs, prompts = [], {}
                 for r in chunk:
-                    if chat:
-                        item = PromptItem(id=r["id"], messages=r["messages"])
-                    else:  # a base model without a chat template reads the user text as is
-                        item = PromptItem(id=r["id"], prompt=r["messages"][-1]["content"])
-                    ids = encode_prompt(target.tokenizer, item, chat=chat)
+                    ids = prompt_ids(target, r)
                     prompts[r["id"]] = ids
                     reqs.append(
                         GenerationRequest(
