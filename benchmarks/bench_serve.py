@@ -238,16 +238,12 @@ def write_report(out: Path, settings: dict, meta: dict, rows: list[dict]) -> Non
                 + (f"; at concurrency 8 {at8:.2f}x (target >= 1.5x)." if at8 is not None else ".")
             )
             idle = [v for c, v in ratios.items() if (by[(sched, c)].get("tau") or 1.0) < 1.005]
-            if idle and sched.startswith("ngram"):
+            if idle:
                 lines.append(
-                    f"Where the scheduler drafted nothing (tau 1.00) the two servers did the same work, so "
-                    f"{min(idle):.2f}x-{max(idle):.2f}x there is the run-to-run noise of this machine."
-                )
-            elif idle:
-                lines.append(
-                    f"Where nothing was admitted (tau 1.00), {min(idle):.2f}x-{max(idle):.2f}x is mostly the "
-                    "drafter's own cost: a confidence drafter drafts before its confidences are known, so "
-                    "it runs every step even when the scheduler then admits none of its tokens."
+                    f"Where nothing was admitted (tau 1.00), {min(idle):.2f}x-{max(idle):.2f}x is the cost "
+                    "of the rounds that drafted anyway (probes that keep the acceptance or confidence "
+                    "estimates current; the drafter does not run otherwise) plus this machine's "
+                    "run-to-run noise."
                 )
             lines.append("")
     try:

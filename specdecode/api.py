@@ -148,5 +148,8 @@ def load(
             step_cost = StepCostModel.measured(tgt, max_batch, k + 1, max_context, draft_cost=draft_cost)
         else:  # nothing to schedule
             step_cost = StepCostModel.flat()
-    pol = make_policy(policy, k, draft_cost=draft_cost, verify_cost=verify_cost, step_cost=step_cost)
+    # The scheduled policies correct the profile and the drafting cost from the steps they see.
+    pol = make_policy(
+        policy, k, draft_cost=draft_cost, verify_cost=verify_cost, step_cost=step_cost, online=True
+    )
     return SpecDecode(tgt, drf, pol, method, max_batch=max_batch, verify_mode=verify_mode)

@@ -342,10 +342,16 @@ class SpeculativeDecoder:
         else:
             accepted, emitted = self._verify_tree(running, vprop, out.logits, num_draft)
             prop.accepted_nodes = vprop.accepted_nodes
+        t_adv = time.perf_counter()
         self.drafter.advance(rows, prop, accepted, out)
         t2 = time.perf_counter()
         self.draft_time += t1 - t0
         self.verify_time += t2 - t1
+        if hasattr(self.policy, "observe_step"):  # online step costs (the drafter's catch-up is its own)
+            context = max(len(r.token_ids) for r in running)
+            self.policy.observe_step(
+                len(running), vprop.max_k + 1, context, prop.max_k, t1 - t0 + t2 - t_adv, t_adv - t1
+            )
         # 4. Statistics for the policy and the report (per depth: a chain's depth is its length).
         st = self.last_step
         st.num_rows, st.block, st.draft_s, st.verify_s = len(running), vprop.max_k + 1, t1 - t0, t2 - t1

@@ -48,6 +48,8 @@ class PolicyState:
     # Decayed per-position counts (index k-1 = draft position k): checked / accepted drafts.
     pos_reached: list[float] = field(default_factory=list)
     pos_accepted: list[float] = field(default_factory=list)
+    # Drafters with confidences: decayed mean of the reported prefix survival per position.
+    conf_survival: list[float | None] = field(default_factory=list)
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -143,8 +145,10 @@ def make_policy(
     draft_cost: float = 0.0,
     verify_cost: float | Sequence[float] = 0.03,
     step_cost=None,
+    online: bool = False,
 ):
-    """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies."""
+    """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
+    online: the scheduled policies correct that profile and the drafting cost from measured steps."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
@@ -155,5 +159,5 @@ def make_policy(
         if step_cost is None:
             raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")
         variant = "production" if name == "scheduled-production" else "exact"
-        return ConfidenceScheduler(k, step_cost, draft_cost=draft_cost, variant=variant)
+        return ConfidenceScheduler(k, step_cost, draft_cost=draft_cost, variant=variant, online=online)
     raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: {', '.join(POLICIES)}")

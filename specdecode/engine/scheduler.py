@@ -24,6 +24,18 @@ Contract:
   stuck at K = 0 probes one draft now and then (backing off) where the measured costs say a
   draft could pay at the current load. If even perfect acceptance cannot pay (the costs of this
   machine, load and context), no request drafts: speculation turns itself off.
+- Drafters with confidences draft before the schedule is known, so whether to run the drafter
+  at all is decided first (`bounds`): from the decayed mean of each request's earlier
+  survivals (the confidences it reported), a drafting round must promise MIN_GAIN over plain
+  decoding once its own cost is paid. Otherwise nobody drafts this step (the drafter does not
+  run) and a probe round fires now and then (backing off to every 64 steps) so the estimates
+  follow the text. In `truncate` the round is already paid: only verification costs count.
+- Online costs (`online=True`, what `api.load` uses): `observe_step` compares each step's
+  measured verify time with the profile's prediction (a decayed ratio per block length, applied
+  to the profile) and measures a drafting round in target steps (decayed, per number of drafted
+  positions), replacing the drafter's declared cost. Timings then steer K (never a draft's
+  admission given its own token), so a seeded run with a stochastic drafter may take other
+  K from run to run; the output distribution is the target's either way.
 - Lossless: every decision depends on statistics of earlier steps, or on a confidence c_{q,j}
   that is known before x_{q,j} is drawn; the early stop (exact) and the position tie-break
   (production) keep a draft's admission independent of its own token.
@@ -49,6 +61,19 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+def _fill_gaps(values: Sequence[float | None], default: float, first: float | None = None) -> list[float]:
+    """Measured values with the gaps filled linearly between measured neighbours (constant past
+    the ends; `first` pins index 0); all `default` when nothing is measured."""
+    vals = list(values)
+    if first is not None:
+        vals[0] = first
+    known = [i for i, v in enumerate(vals) if v is not None]
+    if not known:
+        return [default] * len(vals)
+    ys = [vals[i] for i in known]
+    return [_interp(known, ys, min(max(i, known[0]), known[-1])) for i in range(len(vals))]
 
 
 @dataclass
@@ -120,6 +145,7 @@ class ConfidenceScheduler:
         variant: str = "exact",
         decay: float = 0.9,
         probe_every: int = 8,
+        online: bool = False,
     ):
         if k_max < 0:
             raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
@@ -134,20 +160,70 @@ class ConfidenceScheduler:
         self._budgets: deque[float] = deque(maxlen=2)  # production: draft tokens per request
         self.last_budget = 0  # draft tokens the last schedule admitted (for metrics)
         self._time_memo: dict[tuple[int, int], list[float]] = {}
+        self.online = online
+        # Online corrections: measured / profiled verify time per block length (index = block),
+        # and a drafting round's measured cost in target steps per number of drafted positions.
+        self.verify_scale: list[float | None] = [None] * (k_max + 2)
+        self.round_steps: list[float | None] = [None] * (k_max + 1)
+        # Confidence drafters: batch-wide decayed mean survival per position (prior for new
+        # requests), and the probing interval while the drafter is idle.
+        self.global_survival: list[float | None] = [None] * k_max
+        self._idle_steps, self._idle_every = 0, probe_every
 
     CONTEXT_BUCKET = 64  # step times are looked up per 64 tokens of context
+    ONLINE_DECAY = 0.9  # weight of the past in the online cost corrections
 
-    def _step_times(self, rows: int, context: int) -> list[float]:
-        """[0, time(rows, 1), ..., time(rows, k_max + 1)] at this context (memoised)."""
+    def _target_times(self, rows: int, context: int) -> list[float]:
+        """[0, target(rows, 1), ..., target(rows, k_max + 1)] seconds from the profile (memoised)."""
         key = (rows, context // self.CONTEXT_BUCKET)
         times = self._time_memo.get(key)
         if times is None:
             if len(self._time_memo) > 4096:
                 self._time_memo.clear()
             ctx = key[1] * self.CONTEXT_BUCKET
-            times = [0.0] + [self.cost.time(rows, b, ctx) for b in range(1, self.k_max + 2)]
+            times = [0.0] + [self.cost.target_time(rows, b, ctx) for b in range(1, self.k_max + 2)]
             self._time_memo[key] = times
         return times
+
+    def _verify_times(self, rows: int, context: int) -> list[float]:
+        """Target forward seconds per block length, corrected by the measured ratios."""
+        times = self._target_times(rows, context)
+        scale = _fill_gaps(self.verify_scale[1:], default=1.0)
+        return [0.0] + [t * c for t, c in zip(times[1:], scale, strict=True)]
+
+    def _round_cost(self, drafted: int, unit: float) -> float:
+        """Seconds of a drafting round of `drafted` positions; unit = one target step."""
+        if drafted <= 0:
+            return 0.0
+        if all(v is None for v in self.round_steps[1:]):
+            return drafted * self.cost.draft_cost * unit
+        return _fill_gaps(self.round_steps, default=0.0, first=0.0)[drafted] * unit
+
+    def _step_times(self, rows: int, context: int, sunk_round: bool = False) -> list[float]:
+        """[0, time(1), ..., time(k_max + 1)]: verify time plus drafting block - 1 positions
+        (sunk_round: the drafts exist already, only verification counts)."""
+        times = self._verify_times(rows, context)
+        if sunk_round:
+            return times
+        return [t + self._round_cost(b - 1, times[1]) for b, t in enumerate(times)]
+
+    def observe_step(
+        self, rows: int, block: int, context: int, drafted: int, draft_s: float, verify_s: float
+    ) -> None:
+        """Online costs: one decode step's measured times (ignored unless `online`)."""
+        if not self.online or rows <= 0:
+            return
+        d = self.ONLINE_DECAY
+        raw = self._target_times(rows, context)
+        if 1 <= block <= self.k_max + 1 and verify_s > 0:
+            ratio = min(max(verify_s / raw[block], 0.1), 10.0)
+            old = self.verify_scale[block]
+            self.verify_scale[block] = ratio if old is None else d * old + (1 - d) * ratio
+        if 1 <= drafted <= self.k_max:
+            unit = self._verify_times(rows, context)[1]
+            steps = draft_s / unit
+            old = self.round_steps[drafted]
+            self.round_steps[drafted] = steps if old is None else d * old + (1 - d) * steps
 
     # -- statistics ---------------------------------------------------------------------------
     def _rate(self, st: PolicyState, j: int) -> float:
@@ -185,8 +261,34 @@ class ConfidenceScheduler:
         return [self.k_max if st.room is None else max(0, min(self.k_max, st.room)) for st in states]
 
     def bounds(self, states: list[PolicyState]) -> list[int]:
-        """Upper bounds before drafting, for drafters that report confidences."""
-        return self._caps(states) if self._may_pay(states) else [0] * len(states)
+        """Upper bounds before drafting, for drafters that report confidences: everyone's cap
+        when a drafting round is expected to pay (or a probe is due), else nobody drafts."""
+        self.last_budget = 0
+        caps = self._caps(states)
+        if not self._may_pay(states):
+            return [0] * len(states)
+        survival = []
+        for st, cap in zip(states, caps, strict=True):
+            row = []
+            for j in range(cap):
+                mine = st.conf_survival[j] if j < len(st.conf_survival) else None
+                prior = self.global_survival[j]
+                row.append(mine if mine is not None else (1.0 if prior is None else prior))
+            survival.append(row)
+        rows = len(states)
+        context = max(st.context_len for st in states)
+        verify = self._verify_times(rows, context)
+        # The whole round is paid whatever the schedule admits afterwards.
+        round_cost = self._round_cost(max(caps), verify[1])
+        ks, theta, base = self._scan(survival, states, early_stop=False, extra=round_cost)
+        if theta > base * self.MIN_GAIN and any(ks):
+            self._idle_steps, self._idle_every = 0, self.probe_every
+            return caps
+        self._idle_steps += 1
+        if self._idle_steps >= self._idle_every:  # a probe round refreshes the estimates
+            self._idle_steps, self._idle_every = 0, min(2 * self._idle_every, 64)
+            return caps
+        return [0] * len(states)
 
     def _may_pay(self, states: list[PolicyState]) -> bool:
         """Could any schedule beat plain decoding at this load and context, even at acceptance 1?"""
@@ -231,16 +333,17 @@ class ConfidenceScheduler:
         conf = confidences.float().clamp(0.0, 1.0).cpu().cumprod(dim=1).tolist()  # [B, K] survival
         caps = self._caps(states)
         survival = [row[: min(int(n), c)] for row, n, c in zip(conf, num_draft, caps, strict=True)]
+        self._remember_survival(states, survival)
         if self.variant == "exact":
-            ks, _, _ = self._scan(survival, states, early_stop=True)
+            ks, _, _ = self._scan(survival, states, early_stop=True, sunk_round=True)
         else:
             rows = len(states)
             budget = round(self._budgets[0] * rows) if len(self._budgets) == 2 else None
             # The unconstrained best count on today's confidences is the budget two steps on.
-            best, _, _ = self._scan(survival, states, early_stop=False)
+            best, _, _ = self._scan(survival, states, early_stop=False, sunk_round=True)
             self._budgets.append(sum(best) / max(rows, 1))
             if budget is None:  # no history yet: this step's exact schedule
-                ks, _, _ = self._scan(survival, states, early_stop=True)
+                ks, _, _ = self._scan(survival, states, early_stop=True, sunk_round=True)
             else:
                 ks = [0] * rows
                 for _, j, q in self._sorted(survival)[:budget]:
@@ -250,6 +353,18 @@ class ConfidenceScheduler:
         self.last_budget = sum(ks)
         return ks
 
+    def _remember_survival(self, states: list[PolicyState], survival: list[list[float]]) -> None:
+        """Decayed means of the reported survivals (what `bounds` predicts the next round from)."""
+        d = self.decay
+        for st, row in zip(states, survival, strict=True):
+            while len(st.conf_survival) < len(row):
+                st.conf_survival.append(None)
+            for j, a in enumerate(row):
+                old = st.conf_survival[j]
+                st.conf_survival[j] = a if old is None else d * old + (1 - d) * a
+                g = self.global_survival[j]
+                self.global_survival[j] = a if g is None else 0.95 * g + 0.05 * a
+
     @staticmethod
     def _sorted(survival: list[list[float]]) -> list[tuple[float, int, int]]:
         # Survival never grows along a request, so the position tie-break keeps prefixes whole.
@@ -258,22 +373,30 @@ class ConfidenceScheduler:
         return cands
 
     def _scan(
-        self, survival: list[list[float]], states: list[PolicyState], early_stop: bool
+        self,
+        survival: list[list[float]],
+        states: list[PolicyState],
+        early_stop: bool,
+        sunk_round: bool = False,
+        extra: float = 0.0,
     ) -> tuple[list[int], float, float]:
         """Admit candidates by survival; returns (K per request, Theta reached, Theta of K = 0).
 
         early_stop (Algorithm 1): stop at the first candidate that does not raise
         Theta = tau x SPS(B). Otherwise keep the prefix of the sorted list with the best Theta.
+        sunk_round: the drafts exist (their cost is paid); extra: seconds added to every step
+        that verifies drafts (a drafting round whose cost does not depend on K).
         """
         rows = len(survival)
-        step_time = self._step_times(rows, max((st.context_len for st in states), default=0))
+        context = max((st.context_len for st in states), default=0)
+        step_time = self._step_times(rows, context, sunk_round=sunk_round or extra > 0)
         tau, block = float(rows), 1
         theta = base = best = tau / step_time[1]
         admitted: list[tuple[int, int]] = []
         best_n = 0
         for a, j, q in self._sorted(survival):
             nb = max(block, j + 2)
-            th = (tau + a) / step_time[nb]
+            th = (tau + a) / (step_time[nb] + extra)
             if early_stop and th <= theta:
                 break
             tau, block, theta = tau + a, nb, th

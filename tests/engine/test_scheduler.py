@@ -171,6 +171,75 @@ def test_production_variant_uses_the_budget_of_two_steps_earlier():
     assert sum(sch.truncate(states, high, [3, 3])) == 0  # uses the low budget
 
 
+def test_confidence_drafter_runs_only_when_a_round_is_expected_to_pay():
+    # A drafting round costs one target step; verifying is nearly free. Confident rounds pay,
+    # so everyone may draft; once the reported survival is low, nobody drafts (the drafter does
+    # not run) except probe rounds, which back off.
+    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
+    states = _states(2)
+    assert sch.bounds(states) == [4, 4]  # nothing known yet: optimistic
+    sch.truncate(states, torch.full((2, 4), 0.95), [4, 4])
+    assert sch.bounds(states) == [4, 4]
+    for _ in range(30):
+        sch.truncate(states, torch.full((2, 4), 0.2), [4, 4])
+    drafted = [sum(sch.bounds(states)) > 0 for _ in range(100)]
+    assert 1 <= drafted.count(True) <= 6  # probes at 8, 16, 32, 64 idle steps
+    assert not any(drafted[:7])
+    # New requests start from the batch-wide survival, not from optimism.
+    assert sch.bounds(_states(2)) == [0, 0]
+    # A probe that finds confident drafts brings drafting back.
+    for _ in range(40):
+        sch.truncate(states, torch.full((2, 4), 0.95), [4, 4])
+    assert sch.bounds(states) == [4, 4]
+
+
+def test_truncation_ignores_the_sunk_drafting_cost():
+    # The drafts exist already: a costly drafter does not make admitting them look worse.
+    sch = ConfidenceScheduler(2, StepCostModel.flat(step=1.0, per_token=0.05), draft_cost=5.0)
+    assert sch.truncate(_states(1), torch.tensor([[0.9, 0.9]]), [2]) == [2]
+
+
+def test_online_costs_follow_the_measured_steps():
+    # The profile says verifying is nearly free; the machine says a block of 5 costs 5 steps and
+    # a drafting round 1 step: the statistics-based schedule turns drafting off.
+    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
+    states = _states(1, rate=0.9)
+    assert sch.choose(states) == [4]
+    for _ in range(50):
+        sch.observe_step(1, 5, 100, 4, draft_s=1.0, verify_s=5.0)
+        sch.observe_step(1, 1, 100, 0, draft_s=0.0, verify_s=1.0)
+    assert sch.verify_scale[5] == pytest.approx(5.0 / 1.05, rel=0.01)
+    assert sch.round_steps[4] == pytest.approx(1.0, rel=0.01)
+    assert sch.choose(states) == [0]
+    # Without `online` the measurements are ignored.
+    off = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01))
+    off.observe_step(1, 5, 100, 4, draft_s=1.0, verify_s=5.0)
+    assert off.verify_scale[5] is None and off.choose(states) == [4]
+
+
+def test_loop_skips_the_confidence_drafter_when_it_cannot_pay(tiny, other):
+    """Greedy, a drafter reporting confidence 0.01 whose round costs a target step: after the
+    first rounds it runs only as a probe, and the output still equals ar."""
+
+    class Unconfident(DraftModelDrafter):
+        provides_confidences = True
+        calls = 0
+
+        def propose(self, batch, num_draft):
+            Unconfident.calls += 1
+            prop = super().propose(batch, num_draft)
+            prop.extras["confidences"] = torch.full(prop.draft_ids.shape, 0.01)
+            return prop
+
+    prompts = _prompts(tiny.tokenizer)[:1]
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    base = _run(tiny, ARDrafter(), FixedK(0), prompts, max_new=60)
+    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
+    spec = _run(tiny, Unconfident(other.model, v, rows), sch, prompts, max_new=60)
+    assert spec[0].token_ids == base[0].token_ids
+    assert 1 <= Unconfident.calls <= 6  # 60 steps: the first round, then probes at 8, 16, 32
+
+
 def test_measured_profile_is_cached(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     cost = StepCostModel.measured(tiny, max_rows=4, max_block=3, max_context=64)
