@@ -240,10 +240,10 @@ def write_report(out: Path, settings: dict, meta: dict, rows: list[dict]) -> Non
             idle = [v for c, v in ratios.items() if (by[(sched, c)].get("tau") or 1.0) < 1.005]
             if idle:
                 lines.append(
-                    f"Where nothing was admitted (tau 1.00), {min(idle):.2f}x-{max(idle):.2f}x is the cost "
-                    "of the rounds that drafted anyway (probes that keep the acceptance or confidence "
-                    "estimates current; the drafter does not run otherwise) plus this machine's "
-                    "run-to-run noise."
+                    f"Where nothing was admitted (tau 1.00) the spread {min(idle):.2f}x-{max(idle):.2f}x "
+                    "around 1.00x is this machine's run-to-run noise plus the few rounds that drafted "
+                    "anyway (probes that keep the acceptance or confidence estimates current; the "
+                    "drafter does not run otherwise)."
                 )
             lines.append("")
     try:
