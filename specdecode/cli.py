@@ -175,6 +175,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
     t.add_argument("--num-modules", type=int, default=3, help="mtp: number of chained modules")
     t.add_argument(
+        "--mode",
+        default="frozen",
+        choices=["frozen", "native"],
+        help="mtp: frozen target, or native joint training of target + modules (writes OUT/target)",
+    )
+    t.add_argument("--mtp-weight", type=float, default=0.3, help="mtp native: lambda of the MTP loss")
+    t.add_argument(
+        "--trunk-lr-scale", type=float, default=0.01, help="mtp native: target's lr as a fraction of --lr"
+    )
+    t.add_argument(
         "--num-layers", type=int, default=None, help="draft: layers of the draft model (4); dflash/dspark: 2"
     )
     t.add_argument("--block-size", type=int, default=None, help="dflash: slots per block (8); dspark: (7)")
@@ -423,7 +433,12 @@ def _cmd_train(a) -> None:
     kw = {
         "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
         "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
-        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
+        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules}
+        | (
+            {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
+            if a.mode == "native"
+            else {}
+        ),
         "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers or 4},
         "dflash": {
             "draft_vocab_size": a.draft_vocab,
@@ -439,6 +454,8 @@ def _cmd_train(a) -> None:
             "markov_rank": a.markov_rank,
         },
     }.get(a.method, {})
+    if a.mode != "frozen" and a.method != "mtp":
+        raise SpecDecodeError(f"--mode {a.mode} applies to mtp only, not {a.method}")
     run_training(
         a.method,
         a.target,
@@ -451,6 +468,8 @@ def _cmd_train(a) -> None:
         feature_cache=a.feature_cache,
     )
     print(f"drafter checkpoint: {a.out}")
+    if a.mode == "native":
+        print(f"jointly trained target: {a.out}/target (serve the drafter with --target {a.out}/target)")
 
 
 def _cmd_calibrate(a) -> None:

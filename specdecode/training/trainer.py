@@ -5,7 +5,11 @@ Contract:
   nn.Module whose `forward(batch, feats) -> (loss, logs)` holds all trainable parameters),
   `feature_layers` (target layers its loss reads), `arch()` (config.json fields),
   `checkpoint_state()` (tensors of the drafter checkpoint) and `make_drafter()` (a ready
-  `Drafter` built from the current weights, for evaluation in the real loop).
+  `Drafter` built from the current weights, for evaluation in the real loop). Optional hooks,
+  for tasks that train the target too (MTP native mode): `param_groups()` (parameter groups,
+  each with an `lr_scale`), `eval_target()` (the target to evaluate with), `save_extra()`
+  (called at every save, e.g. to write the new target) and `training_meta()` (fields for the
+  checkpoint's training record). An empty `feature_layers` runs no frozen-target forward.
 - `train(task, target, seqs, cfg, eval_prompts)`: AdamW, linear warm-up then cosine decay to
   `min_lr_ratio`, gradient clipping, optional bf16 autocast, gradient accumulation. Every
   `checkpoint_every` steps (and at the end) it writes the drafter checkpoint (config.json +
@@ -148,13 +152,15 @@ def train(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    features = features or TargetFeatures(target, task.feature_layers)
+    if features is None:
+        features = TargetFeatures(target, task.feature_layers) if task.feature_layers else (lambda b: {})
     module = task.module
     model = module
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(module)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    groups = task.param_groups() if hasattr(task, "param_groups") else [{"params": params, "lr_scale": 1.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, wall = 0, 0.0
     state_path = out / STATE
     if state_path.exists():
@@ -194,7 +200,10 @@ def train(
             "config": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
             "world_size": world,
             "final": final,
+            **(task.training_meta() if hasattr(task, "training_meta") else {}),
         }
+        if hasattr(task, "save_extra"):
+            task.save_extra()
         save_checkpoint(out, task.method, task.arch(), task.checkpoint_state(), target, training=meta)
         _save_atomic(
             {
@@ -217,7 +226,8 @@ def train(
         if rank != 0 or not eval_prompts:
             return {}
         module.eval()
-        r = evaluate(task.make_drafter(), target, eval_prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
+        tgt = task.eval_target() if hasattr(task, "eval_target") else target
+        r = evaluate(task.make_drafter(), tgt, eval_prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
         module.train()
         return {"eval_tau": round(r["tau"], 3), "eval_acceptance": [round(a, 3) for a in r["acceptance"]]}
 
@@ -234,7 +244,7 @@ def train(
     while step < cfg.steps:
         t0 = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)
         logs_acc: dict[str, float] = {}
         for micro in range(cfg.grad_accum):
             batch = batch_at((step * cfg.grad_accum + micro) * world + rank)
