@@ -31,9 +31,10 @@ def _humaneval_seqs(tokenizer, limit: int):
 
     seqs = []
     for rec in load_prompt_set("humaneval", progress=False)[:limit]:
+        # Tokenized apart and concatenated, so the mask falls exactly on the solution's tokens.
         p = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
-        s = tokenizer(rec["prompt"] + rec["canonical_solution"], add_special_tokens=False)["input_ids"]
-        mask = [0] * len(p) + [1] * (len(s) - len(p))
+        sol = tokenizer(rec["canonical_solution"], add_special_tokens=False)["input_ids"]
+        s, mask = p + sol, [0] * len(p) + [1] * len(sol)
         seqs.append(Sequence(torch.tensor(s), torch.tensor(mask)))
     return seqs
 

@@ -347,11 +347,11 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         self.draft_time += t1 - t0
         self.verify_time += t2 - t1
-        if hasattr(self.policy, "observe_step"):  # online step costs (the drafter's catch-up is its own)
+        if hasattr(self.policy, "observe_step"):  # online step costs
+            # A round's own cost leaves out catching up on context and advance(), paid every step.
             context = max(len(r.token_ids) for r in running)
-            self.policy.observe_step(
-                len(running), vprop.max_k + 1, context, prop.max_k, t1 - t0 + t2 - t_adv, t_adv - t1
-            )
+            draft_s = max(t1 - t0 - prop.catch_up_s, 0.0)
+            self.policy.observe_step(len(running), vprop.max_k + 1, context, prop.max_k, draft_s, t_adv - t1)
         # 4. Statistics for the policy and the report (per depth: a chain's depth is its length).
         st = self.last_step
         st.num_rows, st.block, st.draft_s, st.verify_s = len(running), vprop.max_k + 1, t1 - t0, t2 - t1

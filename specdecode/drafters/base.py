@@ -49,6 +49,9 @@ class Proposal:
     extras: dict = field(default_factory=dict)  # drafter-private data carried to advance()
     # Set by the loop after verification for tree proposals: accepted node indices per row.
     accepted_nodes: list[list[int]] | None = None
+    # Seconds of propose() spent catching up on committed context (work any later round would
+    # do too), which online cost models leave out of the round's own cost.
+    catch_up_s: float = 0.0
 
     @property
     def max_k(self) -> int:

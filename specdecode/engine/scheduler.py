@@ -16,8 +16,8 @@ Contract:
   sorted by a descending (ties: earlier position, then row); starting from one token per request
   (tau = R), a candidate is admitted while Theta = tau x SPS(B) grows, and the scan stops at the
   first candidate that does not raise Theta. `variant="production"`: the number of draft tokens
-  is the unconstrained best count found on the confidences of two steps earlier (per request,
-  scaled to the current batch), and this step admits the top ones by current survival.
+  is the unconstrained best count found on the confidences of two drafting rounds earlier (per
+  request, scaled to the current batch), and this step admits the top ones by current survival.
 - Drafters without confidences: c_{q,j} is estimated from running statistics, per request and
   per position (decayed counts), shrunk towards the batch-wide per-position rate (statistics are
   already from earlier steps, so both variants schedule them the same way); a request
@@ -32,8 +32,10 @@ Contract:
   follow the text. In `truncate` the round is already paid: only verification costs count.
 - Online costs (`online=True`, what `api.load` uses): `observe_step` compares each step's
   measured verify time with the profile's prediction (a decayed ratio per block length, applied
-  to the profile) and measures a drafting round in target steps (decayed, per number of drafted
-  positions), replacing the drafter's declared cost. Timings then steer K (never a draft's
+  to the profile, starting from 1) and measures a drafting round in target steps (decayed, per
+  number of drafted positions, starting from the declared cost; catch-up on context excluded).
+  Corrections not refreshed drift back to the profile and the declared cost, so one slow step
+  cannot switch speculation off for good. Timings then steer K (never a draft's
   admission given its own token), so a seeded run with a stochastic drafter may take other
   K from run to run; the output distribution is the target's either way.
 - Lossless: every decision depends on statistics of earlier steps, or on a confidence c_{q,j}
@@ -172,6 +174,7 @@ class ConfidenceScheduler:
 
     CONTEXT_BUCKET = 64  # step times are looked up per 64 tokens of context
     ONLINE_DECAY = 0.9  # weight of the past in the online cost corrections
+    ONLINE_RELAX = 0.005  # per step, how far an unrefreshed correction moves back to the prior
 
     def _target_times(self, rows: int, context: int) -> list[float]:
         """[0, target(rows, 1), ..., target(rows, k_max + 1)] seconds from the profile (memoised)."""
@@ -195,8 +198,11 @@ class ConfidenceScheduler:
         """Seconds of a drafting round of `drafted` positions; unit = one target step."""
         if drafted <= 0:
             return 0.0
-        if all(v is None for v in self.round_steps[1:]):
+        known = [k for k in range(1, len(self.round_steps)) if self.round_steps[k] is not None]
+        if not known:
             return drafted * self.cost.draft_cost * unit
+        if drafted > known[-1]:  # past the longest measured round: in proportion to positions
+            return self.round_steps[known[-1]] * drafted / known[-1] * unit
         return _fill_gaps(self.round_steps, default=0.0, first=0.0)[drafted] * unit
 
     def _step_times(self, rows: int, context: int, sunk_round: bool = False) -> list[float]:
@@ -213,17 +219,24 @@ class ConfidenceScheduler:
         """Online costs: one decode step's measured times (ignored unless `online`)."""
         if not self.online or rows <= 0:
             return
-        d = self.ONLINE_DECAY
+        d, r = self.ONLINE_DECAY, self.ONLINE_RELAX
         raw = self._target_times(rows, context)
+        for b, old in enumerate(self.verify_scale):  # unrefreshed ratios relax towards 1
+            if old is not None and b != block:
+                self.verify_scale[b] = old + r * (1.0 - old)
+        for k, old in enumerate(self.round_steps):
+            if old is not None and k != drafted:
+                self.round_steps[k] = old + r * (k * self.cost.draft_cost - old)
         if 1 <= block <= self.k_max + 1 and verify_s > 0:
             ratio = min(max(verify_s / raw[block], 0.1), 10.0)
             old = self.verify_scale[block]
-            self.verify_scale[block] = ratio if old is None else d * old + (1 - d) * ratio
+            self.verify_scale[block] = d * (1.0 if old is None else old) + (1 - d) * ratio
         if 1 <= drafted <= self.k_max:
             unit = self._verify_times(rows, context)[1]
-            steps = draft_s / unit
+            steps = min(draft_s / unit, 10.0 * drafted)
             old = self.round_steps[drafted]
-            self.round_steps[drafted] = steps if old is None else d * old + (1 - d) * steps
+            prior = drafted * self.cost.draft_cost
+            self.round_steps[drafted] = d * (prior if old is None else old) + (1 - d) * steps
 
     # -- statistics ---------------------------------------------------------------------------
     def _rate(self, st: PolicyState, j: int) -> float:
@@ -362,8 +375,11 @@ class ConfidenceScheduler:
             for j, a in enumerate(row):
                 old = st.conf_survival[j]
                 st.conf_survival[j] = a if old is None else d * old + (1 - d) * a
-                g = self.global_survival[j]
-                self.global_survival[j] = a if g is None else 0.95 * g + 0.05 * a
+        for j in range(self.k_max):  # the batch-wide prior: once per round, over the rows
+            vals = [row[j] for row in survival if j < len(row)]
+            if vals:
+                a, g = sum(vals) / len(vals), self.global_survival[j]
+                self.global_survival[j] = a if g is None else 0.8 * g + 0.2 * a
 
     @staticmethod
     def _sorted(survival: list[list[float]]) -> list[tuple[float, int, int]]:

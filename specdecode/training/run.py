@@ -68,9 +68,14 @@ def run_training(
         print("no held-out split in the data: the served-tau evaluation is skipped")
     torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone
     kw = dict(method_kw or {})
-    if kw.pop("mode", "frozen") == "native":  # MTP joint training of the target and the modules
+    mode = kw.pop("mode", "frozen")
+    if mode not in ("frozen", "native") or (mode == "native" and method != "mtp"):
+        raise SpecDecodeError(f"mode {mode!r} is not available for {method}; native joint training is mtp's")
+    if mode == "native":  # MTP joint training of the target and the modules
         from specdecode.drafters.mtp.train import MTPNativeTask
 
+        if feature_cache:
+            raise SpecDecodeError("native MTP training runs the target itself; drop --feature-cache")
         task_cls, kw["out_dir"] = MTPNativeTask, str(out_dir)
     task = task_cls(target, seqs, **kw)
     if getattr(task, "coverage", None) is not None:

@@ -208,9 +208,18 @@ def test_online_costs_follow_the_measured_steps():
     for _ in range(50):
         sch.observe_step(1, 5, 100, 4, draft_s=1.0, verify_s=5.0)
         sch.observe_step(1, 1, 100, 0, draft_s=0.0, verify_s=1.0)
-    assert sch.verify_scale[5] == pytest.approx(5.0 / 1.05, rel=0.01)
-    assert sch.round_steps[4] == pytest.approx(1.0, rel=0.01)
+    assert sch.verify_scale[5] == pytest.approx(5.0 / 1.05, rel=0.05)
+    assert sch.round_steps[4] == pytest.approx(1.0, rel=0.1)
     assert sch.choose(states) == [0]
+    # Plain steps only from now on: the unrefreshed corrections drift back to the profile, so
+    # one bad stretch cannot switch speculation off for good.
+    for _ in range(600):
+        sch.observe_step(1, 1, 100, 0, draft_s=0.0, verify_s=1.0)
+    assert sch.choose(states)[0] > 0
+    # One slow step moves a correction by a tenth only.
+    fresh = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
+    fresh.observe_step(1, 5, 100, 4, draft_s=0.0, verify_s=100.0)
+    assert fresh.verify_scale[5] < 2.0
     # Without `online` the measurements are ignored.
     off = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01))
     off.observe_step(1, 5, 100, 4, draft_s=1.0, verify_s=5.0)

@@ -20,6 +20,8 @@ Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
@@ -140,7 +142,9 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         idx = [b for b, k in enumerate(num_draft) if k > 0]
+        t0 = time.perf_counter()
         self._catch_up([batch[b].slot for b in idx])
+        catch_up_s = time.perf_counter() - t0
         if not idx:
             return empty_proposal(len(batch))
         num = [min(num_draft[b], self.net.cfg.num_drafts) for b in idx]
@@ -158,7 +162,9 @@ class DFlashDrafter(Drafter):
             full = torch.zeros(len(batch), K, dtype=val.dtype)
             full[sel] = val.cpu()
             extras[key] = full
-        return Proposal(draft_ids=draft_ids, num_draft=n, draft_probs=draft_probs, extras=extras)
+        return Proposal(
+            draft_ids=draft_ids, num_draft=n, draft_probs=draft_probs, extras=extras, catch_up_s=catch_up_s
+        )
 
     # ---- advance --------------------------------------------------------------------------
     def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:

@@ -6,7 +6,8 @@ Contract:
       h'_i = M_k [RMSNorm(h^{k-1}_i) ; RMSNorm(Emb(t_{i+k}))]      (2d -> d)
   then ONE transformer block (causal over the positions of its own depth, RoPE position i+k),
   giving h^k_i, which predicts t_{i+k+1} through the output head. Embedding and output head
-  are the target's, shared and frozen; the head is applied to the rows of a reduced draft
+  are the target's, shared (frozen in the frozen mode; in the native mode the MTP loss also
+  trains the trunk, through h^0 and the embedding); the head is applied to the rows of a reduced draft
   vocabulary (`d2t`), gathered from the target at load time, so the checkpoint holds only the
   modules (a full-vocabulary head per draft token costs nearly a target step on small targets).
 - `mtp_forward(model, embed, h0, input_ids, lengths)` -> [h^1, ..., h^D] ([B, T, d] each).

@@ -199,7 +199,9 @@ class MTPNativeTask(MTPTask):
         """Write the jointly trained target as a Hugging Face directory (atomically)."""
         tmp = self.target_dir.with_name(self.target_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.trunk.save_pretrained(str(tmp), safe_serialization=True)
+        self.trunk.config.use_cache = True  # as served; training runs without the cache
+        self.trunk.save_pretrained(str(tmp))
+        self.trunk.config.use_cache = False
         self.target.tokenizer.save_pretrained(str(tmp))
         for extra in ("generation_config.json",):
             src = Path(self.target.path) / extra
