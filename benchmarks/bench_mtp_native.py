@@ -131,6 +131,8 @@ def main() -> None:
         f"## Served tau (greedy, K = {a.num_draft}, {len(prompts)} held-out prompts, "
         f"{a.max_new_tokens} tokens)",
         "",
+        f"{ncfg['arch']['num_modules']} modules: at most {ncfg['arch']['num_modules']} drafts per step.",
+        "",
         "| drafter | target | tau | acceptance per position |",
         "|---|---|---|---|",
     ]
@@ -140,7 +142,8 @@ def main() -> None:
         ("native-drafter-original-target", "original"),
     ):
         s = served[mode]
-        acc = ", ".join(f"{x:.2f}" for x in s["acceptance"])
+        # Positions past the number of modules are never drafted.
+        acc = ", ".join(f"{x:.2f}" for x in s["acceptance"][: ncfg["arch"]["num_modules"]])
         lines.append(f"| {mode.split('-')[0]} | {tname} | {s['tau']:.3f} | {acc} |")
     lines += [
         "",
