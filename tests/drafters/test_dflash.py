@@ -175,6 +175,48 @@ def test_truncated_sampling_matches_the_target_distribution(tiny, trained):
     assert chi2_contingency([[a.count(k) for k in keys], [b.count(k) for k in keys]]).pvalue > 1e-3
 
 
+def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
+    """With the full-vocabulary log-sum-exp, the acceptance label is 1 - TV over the full
+    vocabulary (the drafter puts no mass outside its vocabulary); without it, p_t is
+    renormalised on the draft vocabulary."""
+    from specdecode.drafters.dspark.model import DSpark, dspark_loss
+    from specdecode.drafters.dspark.train import full_logsumexp
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(
+        16, 2, 1, 8, 32, (0, 1), 6, 10, num_layers=1, block_size=2, layout="dspark", markov_rank=4
+    )
+    net = DSpark(cfg)
+    head_full = torch.randn(10, 16)  # [V, d]
+    d2t = torch.tensor([0, 1, 2, 3, 4, 5])  # the draft vocabulary: ids 0..5
+    head_w = head_full[d2t]
+    t2d = torch.full((10,), 6, dtype=torch.long)
+    t2d[d2t] = torch.arange(6)
+    S, A, K = 1, 1, 2
+    states = torch.randn(S, A, K, 16)
+    h_t = 0.2 * torch.randn(S * A * K, 16)  # the target's states before each label (flat p_t)
+    packed = {
+        "states": states,
+        "labels": torch.tensor([[[1, 2]]]),
+        "prev": torch.tensor([[[0, 1]]]),
+        "weight": torch.ones(S, A, K),
+    }
+    tgt = (h_t @ head_w.T).view(S, A, K, 6)
+    lse = full_logsumexp(h_t, head_full, chunk=1).view(S, A, K)
+    assert torch.allclose(lse, torch.logsumexp(h_t @ head_full.T, -1).view(S, A, K), atol=1e-5)
+    _, logs = dspark_loss(net, head_w, t2d, packed, tgt, lse)
+    p_full = torch.softmax(h_t @ head_full.T, -1).view(S, A, K, 10)
+    with torch.no_grad():
+        p_d = torch.softmax(net.markov_logits(net.logits(states, head_w), t2d[packed["prev"]]), -1)
+    p_d_full = torch.zeros_like(p_full)
+    p_d_full[..., :6] = p_d
+    tv = 0.5 * (p_d_full - p_full).abs().sum(-1)  # [S, A, K]
+    assert logs["accept_0"] == pytest.approx(float(1 - tv[0, 0, 0]), abs=1e-5)
+    assert float(p_full[0, 0, 0, 6:].sum()) > 0.05  # the case is not trivial
+    _, renorm = dspark_loss(net, head_w, t2d, packed, tgt)  # renormalised: over-states acceptance
+    assert renorm["accept_0"] > logs["accept_0"]
+
+
 def test_ece_and_auroc():
     p = torch.tensor([0.1, 0.4, 0.35, 0.8])
     y = torch.tensor([0, 0, 1, 1])

@@ -2,7 +2,9 @@
 heads, and the distribution-matching loss (needs the target's final normed state for p_t).
 
 Contract: `DSparkTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors,
-markov_rank)`; `make_drafter()` returns a `DSparkDrafter` over the current weights.
+markov_rank)`; `make_drafter()` returns a `DSparkDrafter` over the current weights. The loss gets
+p_t over the full vocabulary: the draft-vocabulary logits plus the log-sum-exp of all the
+target's logits (computed in row chunks with the full head).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ class DSparkLoss(DFlashLoss):
                 feats[FINAL_NORM].to(dev).float(), 1, rows[..., None].expand(-1, -1, head_w.shape[1])
             )
             tgt = (h @ head_w.T).view(S, A, K, -1)  # [S, A, K, Vd]
-        return dspark_loss(self.net, head_w, t2d, packed, tgt)
+            if not hasattr(self, "_full_head"):  # frozen: converted once, kept out of the state dict
+                self._full_head = [self._frozen[0].model.lm_head_weight().to(dev, torch.float32)]  # [V, d]
+            lse = full_logsumexp(h.view(-1, h.shape[-1]), self._full_head[0]).view(S, A, K)
+        return dspark_loss(self.net, head_w, t2d, packed, tgt, lse)
+
+
+def full_logsumexp(h: torch.Tensor, head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[N, d] states, [V, d] head -> [N] log-sum-exp of the full-vocabulary logits (fp32)."""
+    w = head.to(h.device, torch.float32)
+    parts = [torch.logsumexp(h[i : i + chunk].float() @ w.T, dim=-1) for i in range(0, len(h), chunk)]
+    return torch.cat(parts)
 
 
 class DSparkTask(DFlashTask):
