@@ -433,12 +433,7 @@ def _cmd_train(a) -> None:
     kw = {
         "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
         "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
-        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules}
-        | (
-            {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
-            if a.mode == "native"
-            else {}
-        ),
+        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
         "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers or 4},
         "dflash": {
             "draft_vocab_size": a.draft_vocab,
@@ -454,8 +449,8 @@ def _cmd_train(a) -> None:
             "markov_rank": a.markov_rank,
         },
     }.get(a.method, {})
-    if a.mode != "frozen" and a.method != "mtp":
-        raise SpecDecodeError(f"--mode {a.mode} applies to mtp only, not {a.method}")
+    if a.mode == "native":  # run_training refuses it for other methods
+        kw |= {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
     run_training(
         a.method,
         a.target,

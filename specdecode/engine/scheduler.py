@@ -205,13 +205,16 @@ class ConfidenceScheduler:
             return self.round_steps[known[-1]] * drafted / known[-1] * unit
         return _fill_gaps(self.round_steps, default=0.0, first=0.0)[drafted] * unit
 
-    def _step_times(self, rows: int, context: int, sunk_round: bool = False) -> list[float]:
-        """[0, time(1), ..., time(k_max + 1)]: verify time plus drafting block - 1 positions
-        (sunk_round: the drafts exist already, only verification counts)."""
+    def _step_times(self, rows: int, context: int, round_positions: int | None = None) -> list[float]:
+        """[0, time(1), ..., time(k_max + 1)]: verify time plus drafting. round_positions None:
+        a block pays for drafting its own block - 1 positions (a drafter whose cost grows with K);
+        otherwise every block with drafts pays one round of that many positions, whatever it
+        admits (0: the drafts exist already, their cost is sunk)."""
         times = self._verify_times(rows, context)
-        if sunk_round:
-            return times
-        return [t + self._round_cost(b - 1, times[1]) for b, t in enumerate(times)]
+        if round_positions is None:
+            return [t + self._round_cost(b - 1, times[1]) for b, t in enumerate(times)]
+        extra = self._round_cost(round_positions, times[1])
+        return times[:2] + [t + extra for t in times[2:]]
 
     def observe_step(
         self, rows: int, block: int, context: int, drafted: int, draft_s: float, verify_s: float
@@ -288,12 +291,8 @@ class ConfidenceScheduler:
                 prior = self.global_survival[j]
                 row.append(mine if mine is not None else (1.0 if prior is None else prior))
             survival.append(row)
-        rows = len(states)
-        context = max(st.context_len for st in states)
-        verify = self._verify_times(rows, context)
         # The whole round is paid whatever the schedule admits afterwards.
-        round_cost = self._round_cost(max(caps), verify[1])
-        ks, theta, base = self._scan(survival, states, early_stop=False, extra=round_cost)
+        ks, theta, base = self._scan(survival, states, early_stop=False, round_positions=max(caps))
         if theta > base * self.MIN_GAIN and any(ks):
             self._idle_steps, self._idle_every = 0, self.probe_every
             return caps
@@ -348,15 +347,15 @@ class ConfidenceScheduler:
         survival = [row[: min(int(n), c)] for row, n, c in zip(conf, num_draft, caps, strict=True)]
         self._remember_survival(states, survival)
         if self.variant == "exact":
-            ks, _, _ = self._scan(survival, states, early_stop=True, sunk_round=True)
+            ks, _, _ = self._scan(survival, states, early_stop=True, round_positions=0)
         else:
             rows = len(states)
             budget = round(self._budgets[0] * rows) if len(self._budgets) == 2 else None
             # The unconstrained best count on today's confidences is the budget two steps on.
-            best, _, _ = self._scan(survival, states, early_stop=False, sunk_round=True)
+            best, _, _ = self._scan(survival, states, early_stop=False, round_positions=0)
             self._budgets.append(sum(best) / max(rows, 1))
             if budget is None:  # no history yet: this step's exact schedule
-                ks, _, _ = self._scan(survival, states, early_stop=True, sunk_round=True)
+                ks, _, _ = self._scan(survival, states, early_stop=True, round_positions=0)
             else:
                 ks = [0] * rows
                 for _, j, q in self._sorted(survival)[:budget]:
@@ -393,26 +392,24 @@ class ConfidenceScheduler:
         survival: list[list[float]],
         states: list[PolicyState],
         early_stop: bool,
-        sunk_round: bool = False,
-        extra: float = 0.0,
+        round_positions: int | None = None,
     ) -> tuple[list[int], float, float]:
         """Admit candidates by survival; returns (K per request, Theta reached, Theta of K = 0).
 
         early_stop (Algorithm 1): stop at the first candidate that does not raise
         Theta = tau x SPS(B). Otherwise keep the prefix of the sorted list with the best Theta.
-        sunk_round: the drafts exist (their cost is paid); extra: seconds added to every step
-        that verifies drafts (a drafting round whose cost does not depend on K).
+        round_positions: how drafting is charged (see `_step_times`).
         """
         rows = len(survival)
         context = max((st.context_len for st in states), default=0)
-        step_time = self._step_times(rows, context, sunk_round=sunk_round or extra > 0)
+        step_time = self._step_times(rows, context, round_positions)
         tau, block = float(rows), 1
         theta = base = best = tau / step_time[1]
         admitted: list[tuple[int, int]] = []
         best_n = 0
         for a, j, q in self._sorted(survival):
             nb = max(block, j + 2)
-            th = (tau + a) / (step_time[nb] + extra)
+            th = (tau + a) / step_time[nb]
             if early_stop and th <= theta:
                 break
             tau, block, theta = tau + a, nb, th

@@ -52,6 +52,14 @@ def run_training(
     from specdecode.training.trainer import train
 
     task_cls = task_class(method)
+    kw = dict(method_kw or {})
+    mode = kw.pop("mode", "frozen")
+    if mode not in ("frozen", "native"):
+        raise SpecDecodeError(f"unknown training mode {mode!r}; choose frozen or native")
+    if mode == "native" and method != "mtp":
+        raise SpecDecodeError(f"--mode {mode} applies to mtp only, not {method}")
+    if mode == "native" and feature_cache:
+        raise SpecDecodeError("native MTP training runs the target itself; drop --feature-cache")
     target = (
         target_spec
         if not isinstance(target_spec, str)
@@ -67,15 +75,9 @@ def run_training(
     if not prompts and cfg.eval_prompts:
         print("no held-out split in the data: the served-tau evaluation is skipped")
     torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone
-    kw = dict(method_kw or {})
-    mode = kw.pop("mode", "frozen")
-    if mode not in ("frozen", "native") or (mode == "native" and method != "mtp"):
-        raise SpecDecodeError(f"mode {mode!r} is not available for {method}; native joint training is mtp's")
     if mode == "native":  # MTP joint training of the target and the modules
         from specdecode.drafters.mtp.train import MTPNativeTask
 
-        if feature_cache:
-            raise SpecDecodeError("native MTP training runs the target itself; drop --feature-cache")
         task_cls, kw["out_dir"] = MTPNativeTask, str(out_dir)
     task = task_cls(target, seqs, **kw)
     if getattr(task, "coverage", None) is not None:

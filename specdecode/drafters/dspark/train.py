@@ -18,6 +18,11 @@ from specdecode.models.base import FINAL_NORM
 
 
 class DSparkLoss(DFlashLoss):
+    def __init__(self, net, target, num_anchors: int):
+        super().__init__(net, target, num_anchors)
+        # The frozen full head in fp32, for the target's log-sum-exp (kept out of the state dict).
+        self._full_head = [target.model.lm_head_weight().float()]  # [V, d]
+
     def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
         _, head_w, t2d = self._frozen
         dev = batch["input_ids"].device
@@ -30,8 +35,6 @@ class DSparkLoss(DFlashLoss):
                 feats[FINAL_NORM].to(dev).float(), 1, rows[..., None].expand(-1, -1, head_w.shape[1])
             )
             tgt = (h @ head_w.T).view(S, A, K, -1)  # [S, A, K, Vd]
-            if not hasattr(self, "_full_head"):  # frozen: converted once, kept out of the state dict
-                self._full_head = [self._frozen[0].model.lm_head_weight().to(dev, torch.float32)]  # [V, d]
             lse = full_logsumexp(h.view(-1, h.shape[-1]), self._full_head[0]).view(S, A, K)
         return dspark_loss(self.net, head_w, t2d, packed, tgt, lse)
 

@@ -99,22 +99,16 @@ def _next_token_nll(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def response_nll(model, seqs: list, tokens_per_batch: int = 4096) -> float:
     """Mean NLL per response token of a transformers causal LM over `seqs` (training.data)."""
-    from specdecode.training.data import collate
+    from specdecode.training.data import collate, plan_batches
 
     model.eval()
     dev = next(model.parameters()).device
-    total, count, i = 0.0, 0.0, 0
-    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j].input_ids))
-    while i < len(order):
-        n = max(1, tokens_per_batch // len(seqs[order[i]].input_ids))
-        part = [seqs[j] for j in order[i : i + n]]
-        # Longest last within the sorted slice: size the batch by it.
-        while len(part) > 1 and len(part) * max(len(s.input_ids) for s in part) > tokens_per_batch:
-            part = part[:-1]
-        batch = {k: v.to(dev) for k, v in collate(part).items()}
+    total, count = 0.0, 0.0
+    for idx in plan_batches([len(s.input_ids) for s in seqs], tokens_per_batch, seed=0, epoch=0):
+        batch = {k: v.to(dev) for k, v in collate([seqs[j] for j in idx]).items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=_attention_mask(batch)).logits
         s, c = _next_token_nll(logits, batch)
-        total, count, i = total + float(s), count + float(c), i + len(part)
+        total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
 
 
@@ -178,9 +172,6 @@ class MTPNativeTask(MTPTask):
         self.module = MTPNativeLoss(self.trunk, self.net, mtp_weight)
         self._eval_target = None
 
-    def arch(self) -> dict:
-        return self.net.cfg.to_json()
-
     def training_meta(self) -> dict:
         return {
             "mode": "native",
@@ -203,10 +194,9 @@ class MTPNativeTask(MTPTask):
         self.trunk.save_pretrained(str(tmp))
         self.trunk.config.use_cache = False
         self.target.tokenizer.save_pretrained(str(tmp))
-        for extra in ("generation_config.json",):
-            src = Path(self.target.path) / extra
-            if src.is_file() and not (tmp / extra).exists():
-                shutil.copy(src, tmp / extra)
+        gen = Path(self.target.path) / "generation_config.json"
+        if gen.is_file() and not (tmp / gen.name).exists():
+            shutil.copy(gen, tmp / gen.name)
         old = self.target_dir.with_name(self.target_dir.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if self.target_dir.exists():
