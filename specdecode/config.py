@@ -1,7 +1,11 @@
 """Typed, validated configuration records.
 
 Contract: `SamplingParams` is validated at construction; an impossible value raises
-`SpecDecodeError` naming the field and the allowed range.
+`SpecDecodeError` naming the field and the allowed range. Validation and processing agree on one
+rule so that no accepted value can turn probabilities into NaN: a temperature below
+`MIN_TEMPERATURE` is greedy (stored as 0.0), and a top_p below `MIN_TOP_P` (the smallest positive
+fp32 value, the precision processing runs in) keeps only the most likely token (stored as
+`MIN_TOP_P`; processing always keeps the top token).
 """
 
 from __future__ import annotations
@@ -11,14 +15,22 @@ from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
 
+# Below this a temperature is greedy: logits / T would overflow fp32 (max 3.4e38) for T ~ 1e-38,
+# and well before that every mass but the argmax's is below fp32's resolution anyway.
+MIN_TEMPERATURE = 1e-5
+# The smallest positive fp32 number: a smaller top_p rounds to 0 in fp32 processing.
+MIN_TOP_P = 1.401298464324817e-45
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. The same processing is applied to target and drafter.
 
-    temperature: 0 means greedy (argmax); > 0 divides the logits.
+    temperature: 0 means greedy (argmax); > 0 divides the logits; below MIN_TEMPERATURE it is
+        greedy (stored as 0.0).
     top_k: 0 disables; otherwise keep the k most likely tokens.
-    top_p: 1.0 disables; otherwise keep the smallest set whose mass reaches top_p.
+    top_p: 1.0 disables; otherwise keep the smallest set whose mass reaches top_p (always at
+        least the most likely token; values below MIN_TOP_P are stored as MIN_TOP_P).
     """
 
     temperature: float = 0.0
@@ -34,6 +46,13 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
             raise SpecDecodeError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        # One rule for validation and processing (see the module docstring); frozen, so set directly.
+        if 0.0 < t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
+        object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
     def greedy(self) -> bool:

@@ -31,11 +31,16 @@ Contract:
   (`scheduled`) keeps the distribution exact but may change which sample a seed gives.
 - Stop conditions (EOS, stop strings, max_new_tokens) are applied token by token inside an
   accepted block; tokens after the stop are dropped.
+- A failure inside one request ends that request, never the batch: a row whose target logits
+  (or draft probabilities) are not finite, or whose emission raises, finishes with
+  `finish_reason == "error"` and `result.error` saying what happened; its neighbours' rows are
+  verified and emitted exactly as without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -52,12 +57,15 @@ from specdecode.request import (
     RunningRequest,
     StreamEvent,
     emit,
+    fail,
 )
-from specdecode.sampling import process_logits_batch
+from specdecode.sampling import finite_rows, process_logits_batch
 from specdecode.tree import DraftTree, tree_attention_mask, tree_depths
 from specdecode.verify import verify_chain, verify_chain_match, verify_tree
 
 __all__ = ["GenerationRequest", "GenerationResult", "SpeculativeDecoder", "StepStats", "StreamEvent"]
+
+log = logging.getLogger("specdecode.decode")
 
 PREFILL_CHUNK = 512
 VERIFY_MODES = ("rejection", "match")
@@ -256,7 +264,11 @@ class SpeculativeDecoder:
         emitted = self._step(self._running)
         events, still = [], []
         for r, new_ids in zip(self._running, emitted, strict=True):
-            event = emit(r, new_ids, self.tokenizer, self.eos_ids)
+            try:
+                event = fail(r, r.error) if r.error else emit(r, new_ids, self.tokenizer, self.eos_ids)
+            except Exception:  # one request's emission (detokenizer, stop strings) must not end others
+                log.exception("request %s: emission failed", r.req.id)
+                event = fail(r, "internal error while emitting tokens; the request was ended")
             if event.text or event.token_ids or event.result:
                 events.append(event)
             if r.finish_reason is None:
@@ -334,13 +346,15 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         # 2. One target forward over [last token, drafts...] per request.
         out, num_draft, depths = self._verify_forward(running, vprop)
-        # 3. Verification (lossless), then commit the kept rows.
+        # 3. Verification (lossless), then commit the kept rows; a row that cannot be verified
+        # (non-finite numbers) ends its own request.
+        vprop, logits = self._isolate_failures(running, vprop, out.logits)
         if vprop.parents is None:
-            accepted, emitted = self._verify(running, vprop, out.logits, num_draft)
+            accepted, emitted = self._verify(running, vprop, logits, num_draft)
             for r, n_acc in zip(running, accepted, strict=True):
                 self.cache.commit(r.slot, n_acc + 1)
         else:
-            accepted, emitted = self._verify_tree(running, vprop, out.logits, num_draft)
+            accepted, emitted = self._verify_tree(running, vprop, logits, num_draft)
             prop.accepted_nodes = vprop.accepted_nodes
         t_adv = time.perf_counter()
         self.drafter.advance(rows, prop, accepted, out)
@@ -370,6 +384,29 @@ class SpeculativeDecoder:
                 r.reached[j] += j <= n_acc
                 r.accepted[j] += j < n_acc
         return emitted
+
+    def _isolate_failures(self, running: list[RunningRequest], prop: Proposal, logits: torch.Tensor):
+        """Mark rows with non-finite target logits or draft probabilities as failed, and give them
+        harmless numbers so the batch's verification runs on (their output is discarded)."""
+        ok = finite_rows(logits[..., : self.vocab_size])  # [B]
+        q = prop.draft_probs  # [B, K, V] or None
+        if q is not None and q.shape[1] > 0:
+            ok_q = torch.isfinite(q).flatten(1).all(dim=1).to(ok.device)  # [B]
+            ok = ok & ok_q
+        if bool(ok.all()):
+            return prop, logits
+        bad = ~ok  # [B]
+        for b in bad.nonzero().flatten().tolist():
+            what = "draft probabilities" if q is not None and not bool(ok_q[b]) else "target logits"
+            running[b].error = (
+                f"the {what} for this request were not finite (NaN or inf) at output position "
+                f"{len(running[b].output_ids)}; the request was ended, its neighbours were not affected"
+            )
+            log.warning("request %s: %s", running[b].req.id, running[b].error)
+        logits = logits.masked_fill(bad.to(logits.device)[:, None, None], 0.0)
+        if q is not None:
+            prop = dataclasses.replace(prop, draft_probs=q.masked_fill(bad.to(q.device)[:, None, None], 1.0))
+        return prop, logits
 
     def _verify_forward(self, running: list[RunningRequest], prop: Proposal):
         dev = self.model.info.device
@@ -415,7 +452,10 @@ class SpeculativeDecoder:
             n = int(num_draft[b])
             tree = DraftTree(tokens=prop.draft_ids[b, :n].cpu(), parents=prop.parents[b, :n].cpu())
             q = None if prop.draft_probs is None else prop.draft_probs[b, :n].to(target_probs.device)
-            u = torch.rand(n + 1, generator=r.generator)  # exactly n + 1 uniforms per request
+            if n == 0:  # nothing drafted: sample position t as plain decoding (and a chain) would
+                u = r.sample_uniforms(len(r.output_ids), 1)
+            else:  # exactly n + 1 uniforms per request, whatever its neighbours drafted
+                u = torch.rand(n + 1, generator=r.generator)
             v = verify_tree(tree, target_probs[b, : n + 1], q, u.to(target_probs.device), iid=prop.tree_iid)
             kept = v.kept_rows.tolist()
             self.cache.commit(r.slot, len(kept), kept_rows=kept)

@@ -4,14 +4,18 @@ Contract:
 - `GenerationRequest` is what a caller asks for; `GenerationResult` what it gets back once the
   request finishes; `StreamEvent` carries the new text and token ids of one step.
 - `RunningRequest` is a request in a cache slot: its tokens, statistics, prefill progress and
-  its two random streams, both seeded by `request.seed` (so nothing depends on the batch):
+  its two random streams, both seeded by all 64 bits of `request.seed` (so nothing depends on
+  the batch):
   `generator` (handed to the drafter, and used for per-step uniforms when rejection sampling
   stochastic drafts) and `sample_uniforms(t, n)`, a table of uniforms keyed by output position
   t (0 = first generated token) for sampling the target's own token at each position.
 - `emit(run, new_ids, tokenizer, eos_ids)` appends verified tokens and applies the stop
   conditions token by token (EOS, max_new_tokens, stop strings, also inside an accepted block);
   tokens after a stop are dropped. Text that could still grow into a stop string, and
-  incomplete UTF-8, is held back until it is settled.
+  incomplete UTF-8, is held back until it is settled. Detokenization is incremental (a window
+  of a few tokens before the new ones), so a step costs the same at any output length; the
+  final text is one full decode.
+- `fail(run, message)` ends a request with `finish_reason == "error"` and `result.error`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import DraftRow
 from specdecode.policy import PolicyState
+from specdecode.sampling import seeded_generator
 
 # Uniforms of the position-keyed table are drawn in blocks of this many positions, always the
 # same block size, so the table depends on the seed alone.
 UNIFORM_BLOCK = 64
-_MASK63 = 2**63 - 1
 
 
 @dataclass
@@ -55,8 +59,9 @@ class GenerationResult:
     decode_time_s: float
     prefill_time_s: float
     tokens_per_s: float
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "error" (see `error`)
     prompt_tokens: int = 0
+    error: str | None = None  # what ended the request when finish_reason == "error"
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -80,11 +85,6 @@ class StreamEvent:
     result: GenerationResult | None = None  # set on the request's final event
 
 
-def _verify_seed(seed: int) -> int:
-    # A second stream from the same seed (a fixed odd multiplier keeps distinct seeds distinct).
-    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK63
-
-
 @dataclass
 class RunningRequest:
     """A request in a slot (prefilling or decoding)."""
@@ -103,6 +103,12 @@ class RunningRequest:
     prefill_time: float = 0.0
     t_start: float = 0.0
     finish_reason: str | None = None
+    error: str | None = None  # set when this request failed inside a step (ended by `fail`)
+    # Incremental detokenization: text of output_ids[:read_offset] is `text`; the window for
+    # the next decode starts at prefix_offset (a few tokens of context for merges and spaces).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
     # Chunked prefill: prompt tokens already in the cache, and the drafter's captured states.
     num_prefilled: int = 0
     hidden_parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [[n, d]]
@@ -110,8 +116,8 @@ class RunningRequest:
     _table: torch.Tensor = field(init=False, repr=False)  # [T] position-keyed uniforms
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(self.req.seed & _MASK63)
-        self._verify_gen = torch.Generator().manual_seed(_verify_seed(self.req.seed))
+        self.generator = seeded_generator(self.req.seed, stream=0)
+        self._verify_gen = seeded_generator(self.req.seed, stream=1)
         self._table = torch.empty(0)
 
     @property
@@ -130,6 +136,23 @@ class RunningRequest:
         return self._table[start : start + n]
 
 
+def _decode_new(r: RunningRequest, tokenizer) -> str:
+    """The text of all output ids, decoding only a window of the newest ones.
+
+    Settled text (not ending in an incomplete UTF-8 character) is kept in `r.text`; the window
+    starts one step back so that merges and leading spaces decode as in a full decode.
+    """
+    ids = r.output_ids
+    prefix = tokenizer.decode(ids[r.prefix_offset : r.read_offset], skip_special_tokens=True)
+    window = tokenizer.decode(ids[r.prefix_offset :], skip_special_tokens=True)
+    new = window[len(prefix) :] if window.startswith(prefix) else window
+    if new and not new.endswith("\ufffd"):
+        r.text += new
+        r.prefix_offset, r.read_offset = r.read_offset, len(ids)
+        return r.text
+    return r.text + new
+
+
 def emit(r: RunningRequest, new_ids: list[int], tokenizer, eos_ids: set[int]) -> StreamEvent:
     """Append verified tokens to `r`, apply stop conditions, return what is new."""
     taken: list[int] = []
@@ -143,12 +166,12 @@ def emit(r: RunningRequest, new_ids: list[int], tokenizer, eos_ids: set[int]) ->
             break
     r.output_ids.extend(taken)
     r.token_ids.extend(taken)
-    text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
-    hold = 0
+    text = _decode_new(r, tokenizer)
+    hold, cut_by_stop = 0, False
     for s in r.req.stop:
         cut = text.find(s, max(0, len(r.sent_text) - len(s)))
         if cut >= 0:
-            text, r.finish_reason = text[:cut], "stop"
+            text, r.finish_reason, cut_by_stop = text[:cut], "stop", True
             r.output_ids = trim_ids(tokenizer, r.output_ids, text)
             break
     if r.finish_reason is None:
@@ -160,6 +183,8 @@ def emit(r: RunningRequest, new_ids: list[int], tokenizer, eos_ids: set[int]) ->
                     break
         if text.endswith("\ufffd"):
             hold = max(hold, 1)
+    elif not cut_by_stop:
+        text = tokenizer.decode(r.output_ids, skip_special_tokens=True)  # the final text: one full decode
     visible = text[: len(text) - hold] if hold else text
     new_text = visible[len(r.sent_text) :] if visible.startswith(r.sent_text) else ""
     r.sent_text = r.sent_text + new_text
@@ -169,12 +194,24 @@ def emit(r: RunningRequest, new_ids: list[int], tokenizer, eos_ids: set[int]) ->
     return event
 
 
+def fail(r: RunningRequest, message: str) -> StreamEvent:
+    """End `r` with an error (what was already streamed stays streamed)."""
+    r.finish_reason, r.error = "error", message
+    return StreamEvent(r.req.id, "", [], result=make_result(r, r.sent_text))
+
+
 def trim_ids(tokenizer, ids: list[int], text: str) -> list[int]:
-    """Shortest prefix of ids whose text covers `text` (used when a stop string cuts it)."""
-    for n in range(len(ids) + 1):
-        if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) >= len(text):
-            return ids[:n]
-    return ids
+    """Shortest prefix of ids whose text covers `text` (used when a stop string cuts it).
+
+    Binary search: the decoded length of a prefix grows with the prefix."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[:lo]
 
 
 def make_result(r: RunningRequest, text: str) -> GenerationResult:
@@ -194,4 +231,5 @@ def make_result(r: RunningRequest, text: str) -> GenerationResult:
         tokens_per_s=n / dt if dt > 0 else 0.0,
         finish_reason=r.finish_reason or "length",
         prompt_tokens=len(r.req.prompt_ids),
+        error=r.error,
     )

@@ -245,3 +245,67 @@ def test_tree_proposals_are_exact_and_accept_along_the_tree(tiny):
     a = _decode(tiny, SiblingTreeDrafter(tiny.model, v, rows), 3, prompts, params=params)
     b = _decode(tiny, SiblingTreeDrafter(tiny.model, v, rows), 3, prompts, params=params, max_batch=1)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+class _PoisonSlot:
+    """The target with non-finite logits for one cache slot from its `after`-th step on."""
+
+    def __init__(self, model, slot, value, after=2):
+        self._model, self.slot, self.value, self.after, self.calls = model, slot, value, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, ids, positions, cache, slots, **kw):
+        out = self._model.forward(ids, positions, cache, slots, **kw)
+        if out.logits is not None and ids.shape[1] > 0 and self.slot in slots:
+            self.calls += 1
+            if self.calls > self.after:
+                out.logits[slots.index(self.slot), -1, 5] = self.value
+        return out
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_failing_request_ends_alone(tiny, tiny_drafter, value, sampled):
+    """Non-finite logits in one row end that request with an error; its neighbours decode exactly
+    as they do without it (same tokens, same random streams)."""
+    import dataclasses
+
+    prompts = _prompts(tiny.tokenizer)
+    params = SamplingParams(temperature=1.0) if sampled else SamplingParams()
+
+    def drafter():
+        return DraftModelDrafter(tiny_drafter.model, tiny.vocab_size, tiny.model.info.vocab_size)
+
+    clean = _decode(tiny, drafter(), 3, prompts, params=params)
+    poisoned = dataclasses.replace(tiny, model=_PoisonSlot(tiny.model, slot=0, value=value))
+    out = _decode(poisoned, drafter(), 3, prompts, params=params)
+    assert out[0].finish_reason == "error" and "not finite" in out[0].error
+    assert len(out[0].token_ids) < 24
+    assert all(0 <= t < tiny.vocab_size for t in out[0].token_ids)
+    assert [r.token_ids for r in out[1:]] == [r.token_ids for r in clean[1:]]
+    assert all(r.error is None and r.finish_reason == "length" for r in out[1:])
+
+
+def test_tree_request_without_drafts_samples_the_same_in_a_batch(tiny):
+    """A request that drafts nothing in a tree step (one token left) uses the same random stream
+    as it does alone, where the step has no tree at all."""
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    params = SamplingParams(temperature=1.0)
+    long_prompt, short_prompt = _prompts(tiny.tokenizer, 2)
+    seeds = range(100, 116)
+
+    def run(reqs):
+        drafter = SiblingTreeDrafter(tiny.model, v, rows)
+        dec = SpeculativeDecoder(tiny, drafter, FixedK(3), max_batch=len(reqs))
+        return {r.id: r.token_ids for r in dec.generate(reqs)}
+
+    short = [GenerationRequest(short_prompt, params, 1, seed=s, id=f"s{s}", ignore_eos=True) for s in seeds]
+    busy = GenerationRequest(long_prompt, params, 12, seed=1, id="busy", ignore_eos=True)
+    batched = run([busy, *short])
+    alone = {}
+    for r in short:
+        alone.update(run([r]))
+    assert {k: batched[k] for k in alone} == alone
+    assert len({tuple(t) for t in alone.values()}) > 1  # the seeds do sample different tokens

@@ -7,8 +7,16 @@ import reference_verify as ref
 import torch
 from scipy import stats
 
-from specdecode.config import SamplingParams
-from specdecode.sampling import draw_uniforms, process_logits, process_logits_batch, sample
+from specdecode.config import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import (
+    draw_uniforms,
+    finite_rows,
+    process_logits,
+    process_logits_batch,
+    sample,
+    seeded_generator,
+)
 
 LOG3 = torch.log(torch.tensor([0.5, 0.3, 0.2]))
 
@@ -161,3 +169,67 @@ def test_top_p_large_vocab_widens_candidates():
         expected = torch.tensor([ref.ref_process_logits(row, params, 2990) for row in logits.tolist()])
         torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
         assert ((probs > 0).sum(-1)[0] > 256).all()
+
+
+# ---- adversarial values: nothing a request can send turns into NaN or an id out of range ----
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token():
+    assert SamplingParams(temperature=1e-300).temperature == 0.0
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    assert SamplingParams(temperature=1.0, top_p=1e-46).top_p == MIN_TOP_P
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0]])
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=1e-46)):
+        probs = process_logits(logits, params)
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+        assert sample(probs, torch.tensor([0.999])).item() == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1.0, "0.5"])
+def test_sampling_params_reject_non_finite_values(bad):
+    with pytest.raises(SpecDecodeError, match="temperature"):
+        SamplingParams(temperature=bad)
+    if bad != -float("inf"):
+        with pytest.raises(SpecDecodeError, match="top_p"):
+            SamplingParams(temperature=1.0, top_p=bad)
+
+
+def test_adversarial_logits_give_finite_probabilities_and_ids_in_range():
+    gen = torch.Generator().manual_seed(0)
+    V = 64
+    for trial in range(300):
+        x = torch.randn(4, V, generator=gen) * 10 ** float(torch.randint(0, 31, (1,), generator=gen))
+        x[torch.rand(4, V, generator=gen) < 0.9] = -float("inf")  # mostly masked rows
+        x[:, trial % V] = float(torch.randn(1, generator=gen)) * 1e30  # at least one finite logit
+        t = 10 ** float(torch.empty(1).uniform_(-5, 3, generator=gen))
+        p = 10 ** float(torch.empty(1).uniform_(-46, 0, generator=gen))
+        k = int(torch.randint(0, V + 2, (1,), generator=gen))
+        params = SamplingParams(temperature=t if trial % 7 else 1e-300, top_k=k, top_p=min(p, 1.0))
+        assert finite_rows(x[:, None]).all()
+        probs = process_logits(x, params, vocab_size=V - trial % 3)
+        assert torch.isfinite(probs).all(), (trial, params)
+        assert torch.allclose(probs.sum(-1), torch.ones(4), atol=1e-5), (trial, params)
+        ids = sample(probs, torch.rand(4, generator=gen))
+        assert ((ids >= 0) & (ids < V - trial % 3)).all()
+        assert (probs.gather(-1, ids[:, None]) > 0).all()
+
+
+def test_invalid_rows_are_flagged_and_sample_stays_in_range():
+    x = torch.zeros(4, 2, 8)
+    x[1, 1, 3] = float("nan")
+    x[2, 0] = -float("inf")  # a position with nothing to sample
+    x[3, 1, 0] = float("inf")
+    assert finite_rows(x).tolist() == [True, False, False, False]
+    for probs in (torch.full((3, 8), float("nan")), torch.zeros(3, 8), torch.full((3, 8), float("inf"))):
+        ids = sample(probs, torch.tensor([0.0, 0.5, 0.999]))
+        assert ((ids >= 0) & (ids < 8)).all()
+
+
+def test_seeds_use_64_bits():
+    def draws(seed, stream=0):
+        return torch.rand(8, generator=seeded_generator(seed, stream)).tolist()
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(1 + 2**32)  # torch's manual_seed alone would make these equal
+    assert draws(2**63 + 5) != draws(5)
+    assert draws(7, stream=0) != draws(7, stream=1)
+    assert draws(-3) == draws(2**64 - 3)  # seeds are taken modulo 2**64

@@ -13,8 +13,10 @@ Contract:
   (or the queue) and its sink gets the final cancelled event.
 - `shutdown(grace_s)` refuses new requests, lets in-flight ones finish for up to `grace_s`,
   then cancels the rest and stops the thread.
-- A failing step fails the requests in flight (their sinks get an error), resets the decoder
-  and the engine goes on serving. Sinks run on the engine thread: they must be quick; one that
+- A request that fails inside a step (the decoder ends it with `finish_reason == "error"`) gets
+  its own error; its neighbours go on. A step that raises fails the requests in flight (their
+  sinks get a generic error; the exception goes to the log, never to clients), resets the
+  decoder and the engine goes on serving. Sinks run on the engine thread: they must be quick; one that
   raises has its request aborted.
 - `metrics` (metrics.py) counts requests, tokens, tau, acceptance, queue depth and step time.
 """
@@ -229,7 +231,10 @@ class Engine:
         except Exception as e:  # a bug or an exhausted device: fail these requests, keep serving
             log.exception("engine step failed")
             for rid in self.decoder.abort_all():
-                self._finish(rid, error=f"internal error during decoding: {type(e).__name__}: {e}")
+                self._finish(
+                    rid,
+                    error=f"internal error in a decoding step ({type(e).__name__}; see the log)",
+                )
             return
         dt = time.perf_counter() - t0
         self._record_step(dt)
@@ -246,7 +251,10 @@ class Engine:
             if ev.result is not None:
                 if ev.text or ev.token_ids:
                     self._deliver(info, EngineEvent(ev.request_id, ev.text, ev.token_ids))
-                self._finish(ev.request_id, result=ev.result)
+                if ev.result.error is not None:
+                    self._finish(ev.request_id, error=ev.result.error)
+                else:
+                    self._finish(ev.request_id, result=ev.result)
             elif not self._deliver(info, EngineEvent(ev.request_id, ev.text, ev.token_ids)):
                 self.decoder.abort(ev.request_id)
                 self._inflight.pop(ev.request_id, None)

@@ -164,7 +164,7 @@ def train(
     step, wall = 0, 0.0
     state_path = out / STATE
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, weights_only=True)  # tensors, numbers, strings: nothing to execute
         if st["method"] != task.method:
             raise SpecDecodeError(f"{out} holds a {st['method']!r} training run, not {task.method!r}")
         module.load_state_dict(st["module"])

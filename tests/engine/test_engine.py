@@ -164,7 +164,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, monkeypa
         s = Collector()
         engine.submit(_req(tiny.tokenizer, "hello world", n=20), s)
         _, _, last = s.wait()
-        assert last.error is not None and "boom" in last.error
+        assert last.error is not None and "internal error" in last.error
+        assert "boom" not in last.error  # exception text goes to the log, not to clients
         s2 = Collector()
         engine.submit(_req(tiny.tokenizer, "hello world", n=5, rid="1"), s2)
         assert s2.wait()[2].result.num_new_tokens == 5
@@ -205,3 +206,37 @@ def test_metrics_render_prometheus_text():
     assert "specdecode_step_seconds_count 1" in text
     assert "specdecode_queue_depth 3" in text
     assert m.value("specdecode_queue_depth") == 3
+
+
+def test_one_failing_request_ends_alone_in_the_engine(tiny, monkeypatch):
+    """A row whose logits turn NaN ends its own request with an error; a neighbour finishes."""
+    engine = _engine(tiny).start()
+    try:
+        real_forward = engine.decoder.model.forward
+        poisoned = {"slot": None}
+
+        def forward(ids, positions, cache, slots, **kw):
+            out = real_forward(ids, positions, cache, slots, **kw)
+            if out.logits is not None and poisoned["slot"] in slots:
+                out.logits[slots.index(poisoned["slot"])] = float("nan")
+            return out
+
+        monkeypatch.setattr(engine.decoder.model, "forward", forward)
+        bad, good = Collector(), Collector()
+        engine.submit(_req(tiny.tokenizer, "hello world", n=40, rid="good"), good)
+        poisoned["slot"] = 2  # slots are handed out from 0: the second request gets slot 1 or 2
+        engine.submit(_req(tiny.tokenizer, "the cat sat", n=40, rid="bad"), bad)
+        deadline = time.time() + 10
+        while poisoned["slot"] == 2 and time.time() < deadline:
+            active = [r for r in engine.decoder._prefilling + engine.decoder._running if r.req.id == "bad"]
+            if active:
+                poisoned["slot"] = active[0].slot
+            time.sleep(0.001)
+        _, _, last = bad.wait()
+        assert last.error is not None and "not finite" in last.error
+        text, tokens, done = good.wait()
+        assert done.result is not None and done.result.num_new_tokens == 40
+        _wait_idle(engine)
+        assert engine.decoder.num_free_slots == 4
+    finally:
+        engine.shutdown(grace_s=1)
