@@ -1,18 +1,30 @@
-"""OpenAI-compatible request validation and response shapes (completions, chat completions).
+"""OpenAI-compatible request models (pydantic), request planning and response shapes.
 
 Contract:
-- `parse_completion(body, ctx)` and `parse_chat(body, ctx)` take a decoded JSON body and return
-  a `ParsedRequest`: one `GenerationRequest` per choice (prompt-major, then the `n` samples of a
-  prompt, as OpenAI numbers choices), the stream flags and the prompt token counts. Anything a
-  client can get wrong raises `APIError` with the HTTP status and OpenAI's error body
-  (`{"error": {"message", "type", "param", "code"}}`): malformed fields and wrong types (400),
-  impossible values (400), an unknown model (404), a prompt over the context or more tokens
-  than fit (400, code `context_length_exceeded`), parameters this server cannot honour while
-  staying lossless (penalties, logit bias, logprobs: 400 naming the parameter).
-- Sampling defaults follow OpenAI: temperature 1, top_p 1; completions default to 16 new
-  tokens, chat to the rest of the context. `top_k` and `ignore_eos` are accepted extensions.
-  A request without `seed` gets a random one; choice j > 0 of a seeded request uses
-  `derive_seed(seed, j)`, so `n` samples differ and a seed reproduces them.
+- `CompletionRequest` and `ChatRequest` are the request bodies of `/v1/completions` and
+  `/v1/chat/completions`. FastAPI validates a body against them (strict types: no "12" for an
+  integer, no 1 for a boolean, no "NaN" for a number; an integral float such as 16.0 is an
+  integer) and `validation_error(errors)` turns pydantic's errors into an `APIError` 400 naming
+  the parameter, or code `invalid_json` for a body that is not JSON. Unknown fields are ignored.
+- Sampling values: temperature in [0, 2], top_p in (0, 1], top_k >= -1 (0 and -1 disable it);
+  NaN and infinities are refused. Tiny positive values are valid: the core
+  (`config.SamplingParams`) treats a temperature below `MIN_TEMPERATURE` as greedy and keeps only
+  the top token for a top_p below the smallest fp32 mass. `stop`: a string or up to `MAX_STOP`
+  strings of 1..`MAX_STOP_CHARS` characters. Parameters this server cannot honour while staying
+  lossless (penalties, logit bias, logprobs, tools, echo, suffix) are 400 naming the parameter.
+- `precheck(req, ctx)` does the cheap checks that need the served model: the model name (404),
+  the number of choices, token ids inside the vocabulary, a max_tokens that cannot fit (400,
+  code `context_length_exceeded`). `plan(req, ctx)` then tokenizes (slow: callers run it off the
+  event loop) and returns a `ParsedRequest`: one `GenerationRequest` per choice (prompt-major,
+  then the `n` samples of a prompt, as OpenAI numbers choices), the stream flags and the prompt
+  token counts; a prompt over the context, or prompt + max_tokens over it, is 400
+  `context_length_exceeded`. Every error is an `APIError` carrying the HTTP status and OpenAI's
+  body (`{"error": {"message", "type", "param", "code"}}`); messages never echo more than a short
+  prefix of what the client sent.
+- Defaults follow OpenAI: temperature 1, top_p 1; completions default to 16 new tokens, chat to
+  the rest of the context. `top_k` and `ignore_eos` are accepted extensions. A request without
+  `seed` gets a random one; choice j > 0 of a seeded request uses `derive_seed(seed, j)`, so `n`
+  samples differ and a seed reproduces them.
 - `completion_body`, `completion_chunk`, `chat_body`, `chat_chunk` and `usage` build the
   response objects; `sse(obj)` frames one server-sent event.
 """
@@ -20,11 +32,14 @@ Contract:
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, field_validator
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
@@ -32,8 +47,11 @@ from specdecode.prompts import derive_seed
 from specdecode.request import GenerationRequest
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_CHOICES = 16  # prompts x n per request
+MAX_MODEL_NAME = 512
 ROLES = ("system", "developer", "user", "assistant", "tool")
-UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+SEED_RANGE = (-(2**63), 2**64)  # OpenAI's seeds are 64-bit; all 64 bits reach the generator
 
 
 class APIError(Exception):
@@ -45,6 +63,7 @@ class APIError(Exception):
         self.type = kind or {
             400: "invalid_request_error",
             404: "not_found_error",
+            408: "invalid_request_error",
             413: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable",
@@ -54,20 +73,242 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _short(v, n: int = 64) -> str:
+    """A client's value in an error message: JSON, cut to n characters."""
+    s = json.dumps(v, ensure_ascii=False, default=str)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+# ---- request models -----------------------------------------------------------------------
+def _integral(v):
+    # JSON writers that only know doubles send 16.0 for 16.
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _int(**bounds):
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+def _real(**bounds):
+    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+
+
+def _prompts(v) -> list[str | list[int]]:
+    """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(v, str) or _is_ids(v):
+        v = [v]
+    if (
+        isinstance(v, list)
+        and 0 < len(v) <= MAX_CHOICES
+        and all((isinstance(p, str) and p) or _is_ids(p) for p in v)
+    ):
+        return v
+    raise ValueError(
+        f"must be a non-empty string, a list of token ids, or a list of up to {MAX_CHOICES} of those"
+    )
+
+
+def _stop(v) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    v = [v] if isinstance(v, str) else v
+    if (
+        not isinstance(v, list)
+        or not 0 < len(v) <= MAX_STOP
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v)
+    ):
+        raise ValueError(
+            f"must be a string or a list of up to {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters"
+        )
+    return tuple(v)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal[ROLES]
+    content: Any = Field(None, validate_default=True)  # text, text parts, or null for an assistant
+
+    @field_validator("content", mode="plain", json_schema_input_type=str | list[TextPart] | None)
+    @classmethod
+    def _text(cls, v, info) -> str:
+        if v is None and info.data.get("role") == "assistant":
+            return ""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
+        ):
+            return "".join(p["text"] for p in v)
+        raise ValueError("must be a string or a list of text parts ({'type': 'text', 'text': ...})")
+
+
+class _Request(_Body):
+    """Fields both endpoints share."""
+
+    model: Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME)]
+    n: _int(ge=1, le=MAX_CHOICES) | None = None
+    best_of: _int(ge=1, le=MAX_CHOICES) | None = None
+    temperature: _real(ge=0.0, le=2.0) | None = None
+    top_p: _real(gt=0.0, le=1.0) | None = None
+    top_k: _int(ge=-1) | None = None
+    seed: _int() | None = None
+    stop: Annotated[
+        tuple[str, ...], PlainValidator(_stop, json_schema_input_type=str | list[str] | None)
+    ] = ()
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    # Accepted at their neutral value only: anything else would change the distribution.
+    presence_penalty: _real() | None = None
+    frequency_penalty: _real() | None = None
+    repetition_penalty: _real() | None = None
+    min_p: _real() | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: _int(ge=0) | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+            raise ValueError("must be a 64-bit integer")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+    @classmethod
+    def _neutral(cls, v, info):
+        if v not in (None, 0) and not (info.field_name == "repetition_penalty" and v == 1):
+            raise ValueError("is not supported by this server (decoding is lossless); leave it at 0")
+        return v
+
+    @field_validator("logit_bias", "top_logprobs", "tools", "functions")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError("is not supported by this server")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError("only {'type': 'text'} is supported")
+        return v
+
+
+class CompletionRequest(_Request):
+    prompt: Annotated[
+        list[str | list[int]],
+        PlainValidator(_prompts, json_schema_input_type=str | list[int] | list[str] | list[list[int]]),
+    ]
+    max_tokens: _int(ge=1) | None = None
+    logprobs: _int(ge=0, le=5) | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    @field_validator("logprobs", "echo", "suffix")
+    @classmethod
+    def _unsupported_here(cls, v):
+        if v:
+            raise ValueError("is not supported by this server")
+        return v
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: _int(ge=1) | None = None
+    max_completion_tokens: _int(ge=1) | None = None
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("is not supported by this server")
+        return v
+
+
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """pydantic's (or FastAPI's) validation errors -> one OpenAI 400 naming the first bad field."""
+    if not errors:
+        return _bad("invalid request body")
+    e = errors[0]
+    loc = list(e.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    if e.get("type") == "json_invalid":
+        reason = (e.get("ctx") or {}).get("error", "")
+        return _bad(f"the request body is not valid JSON ({_short(reason)[1:-1]})", code="invalid_json")
+    if not loc:
+        return _bad("the request body must be a JSON object, sent with Content-Type: application/json")
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    if e.get("type") == "missing":
+        return _bad(f"'{param}' is required", param)
+    msg = str(e.get("msg", "is invalid")).removeprefix("Value error, ").removeprefix("Input ")
+    return _bad(f"'{param}' {msg[:1].lower() + msg[1:]}", param)
+
+
+# ---- planning -----------------------------------------------------------------------------
 @dataclass
 class ServeContext:
-    """What request parsing needs to know about the served model."""
+    """What request planning needs to know about the served model.
+
+    max_prompt_chars: more characters of prompt text than this cannot fit in the context (see
+    `prompt_char_limit`); such a prompt is refused without tokenizing it (None: no such bound)."""
 
     model_name: str
     tokenizer: object
     vocab_size: int
     max_model_len: int
     aliases: tuple[str, ...] = ()
-    max_choices: int = 16
+    max_choices: int = MAX_CHOICES
+    max_prompt_chars: int | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.model_name, *self.aliases)
+
+
+def prompt_char_limit(tokenizer, max_model_len: int) -> int | None:
+    """Characters of text that `max_model_len` tokens can cover at most, or None if unknown.
+
+    A vocabulary entry is at least as long as the text it stands for (byte-level entries spell
+    each byte with one symbol, SentencePiece ones spell a space as one), so n tokens cover at most
+    n x the longest entry. A normalizer can shrink text (e.g. NFC composing up to 3 characters into
+    one), hence the margin of 4 when the tokenizer has one."""
+    try:
+        longest = max(len(s) for s in tokenizer.get_vocab())
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        normalizer = backend.normalizer if backend is not None else True
+    except Exception:  # not a Hugging Face tokenizer: no bound
+        return None
+    return max_model_len * longest * (1 if normalizer is None else 4)
 
 
 @dataclass
@@ -88,108 +329,60 @@ class ParsedRequest:
         return sum(self.prompt_tokens[:: self.n])
 
 
-# ---- field readers ----------------------------------------------------------------------
-def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def _max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:
+    if isinstance(req, CompletionRequest):
+        return (16 if req.max_tokens is None else req.max_tokens), "max_tokens"
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v):
-        raise _bad(f"'{name}' must be an integer, got {json.dumps(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise _bad(f"'{name}' must be {rng}, got {v}", name)
-    return v
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(f"'{name}' must be a number, got {json.dumps(v)}", name)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise _bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(f"'{name}' must be true or false, got {json.dumps(v)}", name)
-    return v
-
-
-def _model(body: dict, ctx: ServeContext) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required: a string naming the served model (see GET /v1/models)", "model")
-    if model not in ctx.names:
+def precheck(req: CompletionRequest | ChatRequest, ctx: ServeContext) -> None:
+    """The cheap checks that need the served model; raises APIError."""
+    if req.model not in ctx.names:
         raise APIError(
             404,
-            f"The model '{model}' does not exist; this server serves '{ctx.model_name}' (GET /v1/models)",
+            f"The model {_short(req.model)} does not exist; this server serves '{ctx.model_name}' "
+            "(GET /v1/models)",
             "model",
             "model_not_found",
         )
-    return model
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
-    return tuple(stop)
-
-
-def _unsupported(body: dict) -> None:
-    for name in UNSUPPORTED_NONZERO:
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise _bad(f"'{name}' must be a number, got {json.dumps(v)}", name)
-        if v not in (None, 0, 0.0) and not (name == "repetition_penalty" and v == 1):
-            raise _bad(
-                f"'{name}' is not supported by this server (decoding is lossless); leave it at 0", name
-            )
-    if body.get("logit_bias"):
-        raise _bad("'logit_bias' is not supported by this server", "logit_bias")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0):
-        raise _bad("'logprobs' is not supported by this server", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _bad("'top_logprobs' is not supported by this server", "top_logprobs")
-    if body.get("echo") not in (None, False):
-        raise _bad("'echo' is not supported by this server", "echo")
-    if body.get("suffix") not in (None, ""):
-        raise _bad("'suffix' is not supported by this server", "suffix")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tool and function calling are not supported by this server", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
-
-
-def _sampling(body: dict) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _int(body, "top_k", 0, lo=-1)
-    try:
-        return SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
-    except SpecDecodeError as e:
-        raise _bad(str(e)) from None
+    n = req.n or 1
+    num_prompts = len(req.prompt) if isinstance(req, CompletionRequest) else 1
+    if num_prompts * n > ctx.max_choices:
+        raise _bad(f"at most {ctx.max_choices} choices per request (prompts x n), got {num_prompts * n}", "n")
+    if req.best_of not in (None, n):
+        raise _bad("'best_of' other than n is not supported", "best_of")
+    if isinstance(req, CompletionRequest):
+        for p in req.prompt:
+            bad = [t for t in p if not 0 <= t < ctx.vocab_size] if isinstance(p, list) else []
+            if bad:
+                raise _bad(
+                    f"token id {_short(bad[0])} in 'prompt' is outside the vocabulary "
+                    f"(0..{ctx.vocab_size - 1})",
+                    "prompt",
+                )
+    elif not getattr(ctx.tokenizer, "chat_template", None):
+        raise _bad("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    if isinstance(req, CompletionRequest):
+        chars, param = max(len(p) if isinstance(p, str) else 0 for p in req.prompt), "prompt"
+    else:
+        chars, param = sum(len(m.content) for m in req.messages), "messages"
+    if ctx.max_prompt_chars is not None and chars > ctx.max_prompt_chars:
+        raise _bad(
+            f"This model's maximum context length is {ctx.max_model_len} tokens, at most "
+            f"{ctx.max_prompt_chars} characters of text; your prompt has {chars} characters. Shorten it.",
+            param,
+            "context_length_exceeded",
+        )
+    max_tokens, param = _max_tokens(req)
+    if max_tokens is not None and max_tokens >= ctx.max_model_len:  # a prompt has at least one token
+        raise _bad(
+            f"This model's maximum context length is {ctx.max_model_len} tokens; {param} must be below "
+            f"that (got {_short(max_tokens, 24)}).",
+            param,
+            "context_length_exceeded",
+        )
 
 
 def _check_length(n_prompt: int, max_tokens: int | None, ctx: ServeContext, param: str) -> int:
@@ -213,140 +406,65 @@ def _check_length(n_prompt: int, max_tokens: int | None, ctx: ServeContext, para
     return max_tokens
 
 
-def _choices(
-    kind: str,
-    model: str,
-    prompts: list[list[int]],
-    body: dict,
-    max_tokens: int | None,
-    ctx: ServeContext,
-    param: str,
-) -> ParsedRequest:
-    n = _int(body, "n", 1, lo=1, hi=ctx.max_choices)
-    if len(prompts) * n > ctx.max_choices:
-        raise _bad(
-            f"at most {ctx.max_choices} choices per request (prompts x n), got {len(prompts) * n}", "n"
-        )
-    best_of = _int(body, "best_of", n, lo=1)
-    if best_of != n:
-        raise _bad("'best_of' other than n is not supported", "best_of")
-    params = _sampling(body)
-    stop = _stop(body)
-    seed = _int(body, "seed", None)
-    ignore_eos = _bool(body, "ignore_eos")
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
-    include_usage = bool(opts and opts.get("include_usage"))
-    _unsupported(body)
-    parsed = ParsedRequest(kind, model, [], [], stream=stream, include_usage=include_usage, n=n)
-    for p, ids in enumerate(prompts):
-        budget = _check_length(len(ids), max_tokens, ctx, param)
-        for j in range(n):
-            index = p * n + j
-            if seed is None:
-                s = secrets.randbits(63)
-            else:
-                s = seed if index == 0 else derive_seed(seed, index)
-            req = GenerationRequest(
-                list(ids), params, budget, stop, s, id=f"{parsed.id}-{index}", ignore_eos=ignore_eos
-            )
-            parsed.requests.append(req)
-            parsed.prompt_tokens.append(len(ids))
-    return parsed
-
-
-# ---- endpoints ----------------------------------------------------------------------------
-def _token_list(v, ctx: ServeContext, param: str) -> list[int]:
-    if not v or not all(_is_int(t) for t in v):
-        raise _bad(f"'{param}' must be a non-empty string, a list of token ids, or a list of those", param)
-    bad = [t for t in v if not 0 <= t < ctx.vocab_size]
-    if bad:
-        raise _bad(
-            f"token id {bad[0]} in '{param}' is outside the vocabulary (0..{ctx.vocab_size - 1})", param
-        )
-    return list(v)
-
-
 def _encode(ctx: ServeContext, text: str) -> list[int]:
     return list(ctx.tokenizer(text, verbose=False)["input_ids"])  # no warning for over-long prompts
 
 
-def parse_completion(body, ctx: ServeContext) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = _model(body, ctx)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [prompt]
-    else:
-        raise _bad(
-            "'prompt' is required: a non-empty string, a list of token ids, or a list of those", "prompt"
-        )
-    encoded = []
-    for p in prompts:
-        ids = _encode(ctx, p) if isinstance(p, str) else _token_list(p, ctx, "prompt")
-        if not ids:
-            raise _bad("'prompt' must not be empty", "prompt")
-        encoded.append(ids)
-    max_tokens = _int(body, "max_tokens", 16, lo=1)
-    return _choices("completion", model, encoded, body, max_tokens, ctx, "max_tokens")
+def _chat_ids(req: ChatRequest, ctx: ServeContext) -> list[int]:
+    from jinja2 import TemplateError
 
-
-def _message_text(m, i: int) -> dict:
-    if not isinstance(m, dict):
-        raise _bad(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
-    role, content = m.get("role"), m.get("content")
-    if role not in ROLES:
-        raise _bad(
-            f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-            f"messages[{i}].role",
-        )
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise _bad(
-            f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
-        )
-    return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def parse_chat(body, ctx: ServeContext) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = _model(body, ctx)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' is required: a non-empty list of {role, content} objects", "messages")
-    msgs = [_message_text(m, i) for i, m in enumerate(messages)]
-    if not getattr(ctx.tokenizer, "chat_template", None):
-        raise _bad("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    msgs = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages
+    ]
     try:
         out = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # the template rejects the conversation (e.g. role order)
-        raise _bad(f"the chat template rejected these messages: {e}", "messages") from None
-    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
-    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
-    param = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, param = _int(body, "max_tokens", None, lo=1), "max_tokens"
-    return _choices("chat", model, [ids], body, max_tokens, ctx, param)
+    except TemplateError as e:  # the template's own refusal, e.g. roles out of order
+        raise _bad(
+            f"the chat template rejected these messages: {_short(str(e), 200)[1:-1]}", "messages"
+        ) from None
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def plan(req: CompletionRequest | ChatRequest, ctx: ServeContext) -> ParsedRequest:
+    """Tokenize (slow: run it off the event loop) and build one GenerationRequest per choice."""
+    if isinstance(req, CompletionRequest):
+        kind, prompts = "completion", [_encode(ctx, p) if isinstance(p, str) else p for p in req.prompt]
+        if not all(prompts):
+            raise _bad("'prompt' must not be empty", "prompt")
+    else:
+        kind, prompts = "chat", [_chat_ids(req, ctx)]
+    max_tokens, param = _max_tokens(req)
+    n = req.n or 1
+    t = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    try:
+        params = SamplingParams(temperature=t, top_k=max(req.top_k or 0, 0), top_p=top_p)
+    except SpecDecodeError as e:  # the pydantic bounds should make this unreachable
+        raise _bad(str(e)) from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    stream = bool(req.stream)  # the answer names the served model, not the alias the client used
+    parsed = ParsedRequest(kind, ctx.model_name, [], [], stream=stream, include_usage=include_usage, n=n)
+    for p, ids in enumerate(prompts):
+        budget = _check_length(len(ids), max_tokens, ctx, param)
+        for j in range(n):
+            index = p * n + j
+            if req.seed is None:
+                s = secrets.randbits(63)
+            else:
+                s = req.seed if index == 0 else derive_seed(req.seed, index)
+            parsed.requests.append(
+                GenerationRequest(
+                    list(ids),
+                    params,
+                    budget,
+                    req.stop,
+                    s,
+                    id=f"{parsed.id}-{index}",
+                    ignore_eos=bool(req.ignore_eos),
+                )
+            )
+            parsed.prompt_tokens.append(len(ids))
+    return parsed
 
 
 # ---- responses ----------------------------------------------------------------------------

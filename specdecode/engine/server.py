@@ -1,43 +1,63 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn) over the serving `Engine`.
 
 Contract:
-- `create_app(engine, ctx)` serves `POST /v1/completions`, `POST /v1/chat/completions`
-  (server-sent events when `stream` is true, else one JSON body), `GET /v1/models`,
-  `GET /v1/models/{id}`, `GET /health` (503 while shutting down) and `GET /metrics`
-  (Prometheus text). The engine starts with the app and is shut down with it.
-- Every error is an OpenAI error body (`protocol.APIError`): malformed JSON, wrong types and
-  impossible values 400, unknown model or route 404, wrong method 405, body over 8 MiB 413,
-  queue full 429, shutting down 503, a failure while decoding 500. One request's error never
+- `create_app(engine, ctx, shutdown_grace_s, limits)` serves `POST /v1/completions`,
+  `POST /v1/chat/completions` (server-sent events when `stream` is true, else one JSON body),
+  `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while shutting down) and
+  `GET /metrics` (Prometheus text from `prometheus_client`). The engine starts with the app and
+  is shut down with it. Request bodies are the pydantic models of `protocol`.
+- Order of work per request: body size (8 MiB, `ServerLimits.max_body_bytes`) and body time
+  (`body_timeout_s`) are enforced while the body streams in, chunked or not: 413 / 408 as soon as
+  a limit is passed, without reading further, and the connection is closed. Then JSON and the
+  parameters (pydantic), then `protocol.precheck`; only then tokenization, in a small thread
+  pool off the event loop; then the engine.
+- Every error is an OpenAI error body (`protocol.APIError`): malformed JSON (also nested too
+  deeply or numbers too long), wrong types and impossible values 400, unknown model or route 404,
+  wrong method 405, body too slow 408, body too large 413, queue full 429, shutting down 503, a
+  failure while decoding 500. Error bodies never carry a traceback, an internal exception's text
+  or a local path (`_scrub`); the details go to the server log. One request's error never
   affects the others.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
   requests aborted, which frees their slots between engine steps.
+- `make_server(...)` is a uvicorn server with per-connection limits: a request head (request
+  line + headers) must arrive within `header_timeout_s` of its first byte (or of the
+  connection's opening), an idle keep-alive connection is closed after `keep_alive_s`, and past
+  `limit_concurrency` open connections or requests uvicorn answers 503 (plain text).
 - `serve(...)` builds the engine from a target and a method (`build_engine`) and runs uvicorn;
   SIGINT/SIGTERM first make the engine refuse new requests (503), then in-flight requests get
   up to `shutdown_grace_s` to finish before they are cancelled.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (Request) at
-# run time, and fastapi is imported inside create_app only.
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
 import asyncio
 import contextlib
-import json
 import logging
+import os
+import re
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 from specdecode.engine.engine import Engine, EngineClosed, EngineEvent, QueueFull
 from specdecode.engine.protocol import (
     APIError,
+    ChatRequest,
+    CompletionRequest,
     ParsedRequest,
     ServeContext,
     chat_body,
     chat_chunk,
     completion_body,
     completion_chunk,
-    parse_chat,
-    parse_completion,
+    plan,
+    precheck,
+    prompt_char_limit,
     sse,
     usage,
     usage_chunk,
+    validation_error,
 )
 from specdecode.errors import SpecDecodeError
 
@@ -45,18 +65,104 @@ log = logging.getLogger("specdecode.server")
 
 MAX_BODY_BYTES = 8 << 20
 DISCONNECT_POLL_S = 0.25
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
-def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0):
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-connection and per-request limits of the HTTP layer."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # the whole request body, from the app's first read
+    header_timeout_s: float = 10.0  # request line + headers, from their first byte
+    keep_alive_s: float = 5.0  # idle keep-alive connection
+    limit_concurrency: int = 256  # open connections or requests; beyond: 503
+    tokenizer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "limit_concurrency", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise SpecDecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("body_timeout_s", "header_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise SpecDecodeError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+
+# Absolute paths under the usual roots (a model directory, a cache, a traceback's file names).
+_PATH = re.compile(
+    r"(?:[A-Za-z]:\\|~/|/(?:home|root|work|tmp|usr|opt|var|etc|mnt|srv|Users|private|data)/)\S*"
+)
+
+
+def _scrub(message: str, local: tuple[str, ...] = ()) -> str:
+    """A client-facing message without local paths."""
+    for p in sorted(local, key=len, reverse=True):
+        if len(p) > 1:
+            message = message.replace(p, "<path>")
+    return _PATH.sub("<path>", message)
+
+
+class _BodyGuard:
+    """ASGI middleware: the request body may not exceed max_bytes nor take over timeout_s.
+
+    Content-Length over the limit is refused before anything is read; otherwise bytes are
+    counted as they arrive (chunked transfer too) and the read that passes the limit, or the
+    deadline, raises an HTTPException (413 / 408), which FastAPI's body reader passes through to
+    the app's error handler. After the body the receive channel is untouched (disconnects)."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float, reject):
+        self.app, self.max_bytes, self.timeout_s, self.reject = app, max_bytes, timeout_s, reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.exceptions import HTTPException
+
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.reject(413)(scope, receive, send)
+        seen, done, deadline = 0, False, None
+
+        async def guarded():
+            nonlocal seen, done, deadline
+            if done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                done = True
+                raise HTTPException(408) from None
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                done = True
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                done = True
+                raise HTTPException(413)
+            return msg
+
+        await self.app(scope, guarded, send)
+
+
+def create_app(
+    engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0, limits: ServerLimits | None = None
+):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    limits = limits or ServerLimits()
+    pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="specdecode-tokenize")
+    local = _local_paths(ctx)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
@@ -65,35 +171,49 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
     def error_response(e: APIError) -> JSONResponse:
         kind = e.code or e.type
         metrics.inc("specdecode_request_errors_total", status=str(e.status), kind=kind)
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
+        if e.status in (408, 413):  # the rest of the body is not read: the connection cannot be reused
+            headers["Connection"] = "close"
+        body = e.body()
+        body["error"]["message"] = _scrub(e.message, local)
+        return JSONResponse(body, status_code=e.status, headers=headers)
+
+    def http_error(status: int, request=None) -> APIError:
+        path = request.url.path if request is not None else ""
+        messages = {
+            400: ("the request body is not valid JSON (malformed, nested too deeply, or a number too long)",
+                  "invalid_json"),
+            404: (f"no route {path[:100]}", "not_found"),
+            405: (f"method {request.method if request else ''} not allowed here", "method_not_allowed"),
+            408: (f"the request body took over {limits.body_timeout_s:g} s to arrive", "body_timeout"),
+            413: (f"request body over {limits.max_body_bytes} bytes", "body_too_large"),
+        }  # fmt: skip
+        message, code = messages.get(status, (f"HTTP error {status}", None))
+        return APIError(status, message, code=code)
+
+    app.add_middleware(
+        _BodyGuard,
+        max_bytes=limits.max_body_bytes,
+        timeout_s=limits.body_timeout_s,
+        reject=lambda status: error_response(http_error(status)),
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return error_response(e)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e):
+        return error_response(validation_error(e.errors()))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed here"}
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return error_response(APIError(e.status_code, msg.get(e.status_code, str(e.detail)), code=code))
+        return error_response(http_error(e.status_code, request))
 
     @app.exception_handler(Exception)
     async def _internal(request, e):
         log.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
-
-    async def read_json(request: Request):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        return error_response(APIError(500, "internal error; see the server log", code="internal_error"))
 
     def model_card() -> dict:
         return {
@@ -112,7 +232,7 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
 
     @app.get("/metrics")
     async def get_metrics():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def list_models():
@@ -121,21 +241,21 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id not in ctx.names:
-            raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+            raise APIError(404, "The model does not exist (GET /v1/models)", "model", "model_not_found")
         return model_card()
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        parsed = parse_completion(await read_json(request), ctx)
-        return await run(request, parsed)
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(request, body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        parsed = parse_chat(await read_json(request), ctx)
-        return await run(request, parsed)
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await run(request, body)
 
-    async def run(request: Request, parsed: ParsedRequest):
+    async def run(request: Request, body):
+        precheck(body, ctx)  # cheap checks first: tokenizing is the expensive part
         loop = asyncio.get_running_loop()
+        parsed = await loop.run_in_executor(pool, plan, body, ctx)
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
         def sink(ev: EngineEvent) -> None:  # engine thread -> this request's event loop
@@ -160,24 +280,36 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
             )
         return await collect(request, parsed, ids, queue)
 
+    def event_error(ev: EngineEvent) -> APIError:
+        if ev.error.startswith("cancel"):
+            return APIError(503, "the request was cancelled: the server is shutting down", code="cancelled")
+        log.warning("request %s failed: %s", ev.request_id, ev.error)
+        return APIError(
+            500, "internal error while decoding this request; see the server log", code="decode_failed"
+        )
+
     async def collect(request: Request, parsed: ParsedRequest, ids: list[str], queue) -> dict:
         index = {rid: i for i, rid in enumerate(ids)}
         texts, finish, completion = [""] * len(ids), [None] * len(ids), 0
-        pending = set(ids)
+        pending, loop = set(ids), asyncio.get_running_loop()
+        next_poll = loop.time() + DISCONNECT_POLL_S
         try:
             while pending:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_poll - loop.time()))
                 except TimeoutError:
+                    ev = None
+                if loop.time() >= next_poll:  # on time, however fast tokens arrive
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)  # nobody reads it; slots freed below
+                    next_poll = loop.time() + DISCONNECT_POLL_S
+                if ev is None:
                     continue
                 i = index[ev.request_id]
                 texts[i] += ev.text
                 if ev.error is not None:
-                    raise APIError(
-                        503 if ev.error.startswith("cancel") else 500, ev.error, code="decode_failed"
-                    )
+                    pending.discard(ev.request_id)
+                    raise event_error(ev)
                 if ev.result is not None:
                     pending.discard(ev.request_id)
                     finish[i] = ev.result.finish_reason
@@ -209,9 +341,7 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
                 i = index[ev.request_id]
                 if ev.error is not None:
                     pending.discard(ev.request_id)
-                    err = APIError(
-                        503 if ev.error.startswith("cancel") else 500, ev.error, code="decode_failed"
-                    )
+                    err = event_error(ev)
                     metrics.inc("specdecode_request_errors_total", status=str(err.status), kind=err.code)
                     yield sse(err.body())
                     break
@@ -238,6 +368,13 @@ def create_app(engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0
     return app
 
 
+def _local_paths(ctx: ServeContext) -> tuple[str, ...]:
+    """Local directories an error message could name (the model's, home, cwd, temp)."""
+    paths = {str(Path.home()), os.getcwd(), tempfile.gettempdir()}
+    paths |= {a for a in ctx.aliases if os.sep in a and os.path.exists(a)}
+    return tuple(p for p in paths if p not in ("", "/"))
+
+
 def build_engine(
     target,
     method: str = "ar",
@@ -254,7 +391,10 @@ def build_engine(
     served_model_name: str | None = None,
     drafter_options: dict | None = None,
 ) -> tuple[Engine, ServeContext]:
-    """Load target and drafter, measure what the policy needs, and wrap them in an Engine."""
+    """Load target and drafter, measure what the policy needs, and wrap them in an Engine.
+
+    Without `served_model_name` a target given as a local directory is served under the
+    directory's name (its full path stays accepted as `model` but is never shown to clients)."""
     import specdecode
     from specdecode.models.loader import load_model
 
@@ -279,13 +419,12 @@ def build_engine(
         drafter_options=drafter_options,
     )
     engine = Engine(sd.decoder, max_batch, length, max_queue)
-    name = served_model_name or (target if isinstance(target, str) else tgt.name)
+    given = target if isinstance(target, str) else tgt.name
+    name = served_model_name or (tgt.path.name if os.path.exists(given) else given)
     aliases = tuple(sorted({tgt.name, tgt.path.name, str(tgt.path)} - {name}))
-    ctx = ServeContext(name, tgt.tokenizer, tgt.vocab_size, length, aliases=aliases)
+    chars = prompt_char_limit(tgt.tokenizer, length)
+    ctx = ServeContext(name, tgt.tokenizer, tgt.vocab_size, length, aliases=aliases, max_prompt_chars=chars)
     return engine, ctx
-
-
-DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def _check_port(host: str, port: int) -> None:
@@ -308,22 +447,79 @@ def _check_port(host: str, port: int) -> None:
             ) from None
 
 
+def _head_timeout_protocol(timeout_s: float):
+    """uvicorn's HTTP protocol, plus a deadline on each request head (slow-header clients).
+
+    uvicorn bounds an idle keep-alive connection but not a connection that sends nothing, nor a
+    head that trickles in; this closes such a connection (with a 408) `timeout_s` after it opened
+    or after the head's first byte."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadTimeoutProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request head was parsed
+                self._disarm()
+            elif self._head_timer is None and (cycle is None or cycle.response_complete):
+                self._arm()  # the first bytes of the next head on a kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(timeout_s, self._expire, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expire(self, cycle) -> None:
+            self._head_timer = None
+            waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+                )
+                self.transport.close()
+
+    return HeadTimeoutProtocol
+
+
 def make_server(
-    engine: Engine, ctx: ServeContext, host: str, port: int, shutdown_grace_s: float = 30.0, log_level="info"
+    engine: Engine,
+    ctx: ServeContext,
+    host: str,
+    port: int,
+    shutdown_grace_s: float = 30.0,
+    log_level="info",
+    limits: ServerLimits | None = None,
 ):
     """A uvicorn Server whose SIGINT/SIGTERM first closes the engine to new requests."""
     import uvicorn
+
+    limits = limits or ServerLimits()
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             engine.close()
             super().handle_exit(sig, frame)
 
-    app = create_app(engine, ctx, shutdown_grace_s)
+    app = create_app(engine, ctx, shutdown_grace_s, limits)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=_head_timeout_protocol(limits.header_timeout_s),
+        timeout_keep_alive=limits.keep_alive_s,
+        limit_concurrency=limits.limit_concurrency,
         log_level=log_level,
         timeout_graceful_shutdown=max(1, int(shutdown_grace_s)),
         access_log=log_level in ("debug", "trace"),
@@ -340,6 +536,7 @@ def serve(
     port: int = 8000,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
     **engine_kwargs,
 ) -> None:
     """Build the engine and serve until SIGINT / SIGTERM."""
@@ -350,7 +547,7 @@ def serve(
         ctx.model_name, method, engine.max_batch, ctx.max_model_len, host, port,
     )  # fmt: skip
     try:
-        make_server(engine, ctx, host, port, shutdown_grace_s, log_level).run()
+        make_server(engine, ctx, host, port, shutdown_grace_s, log_level, limits).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
         pass
     log.warning("shut down cleanly")

@@ -39,12 +39,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(target, grace=2.0, **kw):
-    engine, ctx = build_engine(
-        target, "ngram", served_model_name="tiny", max_model_len=MAX_LEN, device="cpu", dtype="fp32", **kw
-    )
+def _start(target, grace=2.0, limits=None, **kw):
+    kw = {"served_model_name": "tiny", "max_model_len": MAX_LEN, "device": "cpu", "dtype": "fp32", **kw}
+    engine, ctx = build_engine(target, "ngram", **kw)
     port = _free_port()
-    srv = make_server(engine, ctx, "127.0.0.1", port, shutdown_grace_s=grace, log_level="warning")
+    srv = make_server(
+        engine, ctx, "127.0.0.1", port, shutdown_grace_s=grace, log_level="warning", limits=limits
+    )
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.time() + 20
@@ -185,10 +186,27 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "stop": "x" * 257}, 400, "stop"),
+    ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "top_p": Infinity}', 400, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "temperature": "NaN"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_k": 1.5}, 400, "top_k"),
+    ({"model": "tiny", "prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "n": 17}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "tiny", "prompt": "hi", "stream_options": [1]}, 400, "stream_options"),
+    ({"model": "tiny", "prompt": []}, 400, "prompt"),
     ({"model": "tiny", "prompt": "hello " * 200}, 400, "context_length_exceeded"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 1000}, 400, "context_length_exceeded"),
 ]
 BAD_CHAT = [
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"a": 1}]}, 400, "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
     ({"model": "tiny"}, 400, "messages"),
     ({"model": "tiny", "messages": "hi"}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
@@ -221,6 +239,23 @@ def test_bad_completion_requests_get_openai_errors(server, payload, status, code
 @pytest.mark.parametrize("payload,status,code", BAD_CHAT)
 def test_bad_chat_requests_get_openai_errors(server, payload, status, code):
     _check_error(httpx.post(f"{server.url}/v1/chat/completions", json=payload), status, code)
+
+
+def test_lenient_where_openai_clients_differ(server):
+    """Integral floats are integers, unknown fields are ignored, tiny sampling values are valid."""
+    for extra in (
+        {"max_tokens": 4.0},
+        {"user": "someone", "metadata": {"a": "b"}},
+        {"temperature": 1e-300, "top_p": 1e-46},
+        {"temperature": None, "top_p": None, "n": None, "stop": None, "seed": -5},
+        {"stop": ["a", "b", "c", "d"], "response_format": {"type": "text"}, "presence_penalty": 0},
+    ):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, **extra}
+        r = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert r.status_code == 200, (extra, r.text)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 200, r.text
 
 
 def test_errors_through_the_client_and_routes(server):
