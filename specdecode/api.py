@@ -111,7 +111,7 @@ def load(
     *,
     num_draft_tokens: int | None = None,
     policy: str = "adaptive",
-    dtype: str = "bf16",
+    dtype: str = "auto",
     device: str | None = None,
     max_batch: int = 8,
     verify_mode: str = "rejection",

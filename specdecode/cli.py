@@ -6,6 +6,7 @@ Contract (other tools rely on it):
       [--max-new-tokens N] [--dtype bf16|fp32] [--chat] (--prompt TEXT | --prompts FILE.jsonl) [--json]
   specdecode serve --target MODEL --method M [--drafter DIR] [--host 127.0.0.1] [--port 8000]
       [--max-batch N] [--max-model-len L] [--policy scheduled|...] [--max-queue Q]
+      [--limit-concurrency C] [--timeout-keep-alive S] [--timeout-header S] [--timeout-body S]
       OpenAI-compatible HTTP server (specdecode/engine/server.py) until SIGINT / SIGTERM.
 With --json: one JSON object per prompt on stdout (id, text, token_ids, num_new_tokens,
 num_steps, tau, accepted_per_position, decode_time_s, tokens_per_s, ...). Without it, text
@@ -22,6 +23,13 @@ import time
 
 from specdecode.drafters import METHODS
 from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import DTYPE_CHOICES
+
+DTYPE_HELP = (
+    "weight format: auto (default: the formats measured fastest on this machine, cached), bf16 or "
+    "fp32 (one format), int8 / int4 (weight-only quantized target: speculation is lossless with "
+    "respect to the quantized model)"
+)
 
 DEMO_PROMPTS = [
     (
@@ -64,7 +72,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["rejection", "match"],
         help="rejection sampling (default) or sample-then-match",
     )
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument(
@@ -103,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compare ar and ngram on the embedded default model")
     d.add_argument("--target", default="smollm2-135m")
     d.add_argument("--max-new-tokens", type=int, default=96)
-    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    d.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
 
     b = sub.add_parser("bench", help="benchmark methods side by side (report + plots)")
     b.add_argument("--target", default="smollm2-135m")
@@ -124,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="", help="comma-separated: hf, hf-assisted, hf-lookup")
     b.add_argument("--num-draft-tokens", type=int, default=None)
     b.add_argument("--policy", default="adaptive", choices=["fixed", "adaptive"])
-    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    b.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     b.add_argument("--device", default=None)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", required=True, help="output directory (results.json, report.md, plots)")
@@ -148,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--limit", type=int, default=None, help="first N prompts of each split")
     dr.add_argument("--splits", default="train,heldout")
     dr.add_argument("--seed", type=int, default=0)
-    dr.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    dr.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     dr.add_argument("--device", default=None)
     dr.add_argument("--overwrite", action="store_true")
 
@@ -190,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=None, help="dflash: slots per block (8); dspark: (7)")
     t.add_argument("--num-anchors", type=int, default=32, help="dflash/dspark: blocks per training sequence")
     t.add_argument("--markov-rank", type=int, default=256, help="dspark: rank r of the Markov head")
-    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype")
+    t.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     t.add_argument("--device", default=None)
 
     c = sub.add_parser(
@@ -213,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also fit a per-position bias (not in the paper; for heads off by a constant, e.g. over-fitted)",
     )
-    c.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    c.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     c.add_argument("--device", default=None)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
@@ -226,6 +234,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds given to in-flight work")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument(
+        "--limit-concurrency", type=int, default=None, help="open connections + requests (256); beyond: 503"
+    )
+    sv.add_argument("--timeout-keep-alive", type=float, default=None, help="idle keep-alive seconds (5)")
+    sv.add_argument("--timeout-header", type=float, default=None, help="seconds for a request head (10)")
+    sv.add_argument("--timeout-body", type=float, default=None, help="seconds for a request body (30)")
 
     m = sub.add_parser("models", help="list or install the offline models and prompt sets")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -333,10 +347,11 @@ def _cmd_demo(a) -> None:
         f"\nOverall: ngram tau {taus:.2f}, decode speed-up over ar {t_ar / t_ng:.2f}x, "
         f"identical greedy output on {same}/{len(rows)} prompts."
     )
-    if a.dtype == "bf16" and same < len(rows):
+    if a.dtype != "fp32" and same < len(rows):
         print(
-            "Note: in bf16 a multi-token verify pass rounds differently from one-token steps, so a "
-            "near-tie can flip a greedy token; with --dtype fp32 outputs match token for token."
+            f"Note: with --dtype {a.dtype} a multi-token verify pass may round differently from "
+            "one-token steps (another kernel or format), so a near-tie can flip a greedy token; "
+            "with --dtype fp32 outputs match token for token."
         )
 
 
@@ -492,8 +507,14 @@ def _cmd_calibrate(a) -> None:
 
 
 def _cmd_serve(a) -> None:
-    from specdecode.engine.server import serve
+    from specdecode.engine.server import ServerLimits, serve
 
+    given = {
+        "limit_concurrency": a.limit_concurrency,
+        "keep_alive_s": a.timeout_keep_alive,
+        "header_timeout_s": a.timeout_header,
+        "body_timeout_s": a.timeout_body,
+    }
     serve(
         a.target,
         a.method,
@@ -512,6 +533,7 @@ def _cmd_serve(a) -> None:
         verify_mode=a.verify_mode,
         drafter_options=_drafter_options(a),
         served_model_name=a.served_model_name,
+        limits=ServerLimits(**{k: v for k, v in given.items() if v is not None}),
     )
 
 

@@ -53,7 +53,7 @@ class BenchConfig:
     peers: list[str] = field(default_factory=list)
     num_draft_tokens: int | None = None
     policy: str = "adaptive"
-    dtype: str = "bf16"
+    dtype: str = "auto"
     device: str | None = None
     seed: int = 0
     out: str = "bench-out"

@@ -48,7 +48,7 @@ def build_drafter(
     method: str,
     target,
     drafter_spec: str | None = None,
-    dtype="bf16",
+    dtype="auto",
     device=None,
     options: dict | None = None,
 ) -> Drafter:

@@ -43,6 +43,7 @@ class ModelInfo:
     native: bool = True  # NativeDecoder (True) or HFAdapter (False)
     supports_tree: bool = True  # accepts tree_mask in forward
     max_slots: int | None = None  # None = any number of slots; HFAdapter: 1
+    format: str = ""  # weight formats of the matrix products (models/formats.py), "" = dtype only
 
 
 @dataclass

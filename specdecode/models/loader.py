@@ -8,6 +8,10 @@ Contract:
   downloads it); failure is a SpecDecodeError that lists the aliases.
 * llama / qwen2 / qwen3 / mistral checkpoints become a `NativeDecoder` with weights read
   straight from the safetensors files; every other causal LM is wrapped in `HFAdapter`.
+* `dtype`: `auto` (the default) runs a native model's products in the formats measured fastest
+  on this machine (models/formats.py, cached per machine; bf16 on CUDA); `bf16` / `fp32` force
+  one format; `int8` / `int4` quantize the weights (weight-only: another, smaller model).
+  A non-native model runs in fp32 on CPU and bf16 on CUDA under `auto`.
 * `LoadedModel.vocab_size` is the tokenizer's size (what sampling may emit); the model's head
   may have more rows (`model.info.vocab_size`). `eos_token_ids` merges the tokenizer's,
   config's and generation config's end-of-sequence ids.
@@ -31,6 +35,8 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+FORMATS = ("auto", "int8", "int4")  # dtype values that pick weight formats (NativeDecoder only)
+DTYPE_CHOICES = ("auto", "bf16", "fp32", "int8", "int4")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -66,11 +72,14 @@ class LoadedModel:
 
 # ---- public API ---------------------------------------------------------------------------------
 def load_model(
-    spec: str | os.PathLike, dtype: str | torch.dtype = "bf16", device: str | None = None
+    spec: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | None = None
 ) -> LoadedModel:
     """Load `spec` (alias, local HF directory or hub id) as a `LoadedModel` (see module docstring)."""
-    torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fmt = dtype if isinstance(dtype, str) and dtype in FORMATS else None
+    if fmt == "auto" and dev.type != "cpu":
+        fmt, dtype = None, "bf16"
+    torch_dtype = torch.float32 if fmt else resolve_dtype(dtype)
     name = str(spec)
     path = resolve_path(name)
     from transformers import AutoConfig
@@ -87,7 +96,14 @@ def load_model(
         from specdecode.models.native import NativeDecoder
 
         model = NativeDecoder.from_hf(config, open_checkpoint(path), torch_dtype, dev)
+        if fmt:
+            model.use_formats(_plan(fmt, model))
     else:
+        if fmt in ("int8", "int4"):
+            raise SpecDecodeError(
+                f"--dtype {fmt} quantizes the native runtime's weights; {path} is a {config.model_type} "
+                "model, which runs through transformers: use --dtype auto, fp32 or bf16"
+            )
         model = _load_hf(path, config, torch_dtype, dev)
     tok_fp = tokenizer_fingerprint(tokenizer)
     return LoadedModel(
@@ -107,8 +123,27 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of: bf16, fp32, fp16")
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}, fp16")
     return DTYPES[dtype]
+
+
+def _plan(fmt: str, model):
+    """The weight-format plan for `--dtype fmt` on a NativeDecoder (measured for `auto`)."""
+    from specdecode.models import formats
+
+    if fmt != "auto":
+        return formats.forced_plan(fmt, model.info.device)
+    s = model.spec
+    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    shapes = [
+        (qkv, s.hidden_size),
+        (s.hidden_size, s.num_heads * s.head_dim),
+        (2 * s.intermediate_size, s.hidden_size),
+        (s.hidden_size, s.intermediate_size),
+    ]
+    head = tuple(model.lm_head_weight().shape)
+    plan, _ = formats.auto_plan(shapes, head, s.num_layers, model.info.device)
+    return plan
 
 
 def resolve_path(spec: str) -> Path:

@@ -14,6 +14,9 @@ Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md
   contiguous slot range builds no mask and reads the cache through views.
 * GQA by folding the G query heads of a KV head into the query axis (q [B, Hk, G*N, D]), which
   avoids both expanding K/V and the slow `enable_gqa` path of CPU SDPA.
+* Matrix products run in the formats of a `FormatPlan` (models/formats.py; `use_formats`),
+  which may hold several copies of a weight (e.g. bf16 for one-token steps, fp32 for blocks);
+  activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`.
 
 Legend: B batch, N new tokens, P prompt length, S cache slots, R = max_len + 1 cache rows,
 H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head rows.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,7 @@ from specdecode.models.base import (
     chunked_prefill,
     host_list,
 )
+from specdecode.models.formats import FormatPlan, Linear, forced_plan
 from specdecode.models.kv_cache import KVCache
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -169,20 +173,6 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# Without native bf16 GEMM (e.g. AVX2-only CPUs) PyTorch multiplies bf16 matrices with a slow
-# generic kernel: a 256-token prefill of SmolLM2 took 4.2 s in bf16 vs 0.83 s in fp32. Above
-# this many rows, upcasting the weight to fp32 for the product is faster despite the copy.
-UPCAST_MIN_ROWS = 16
-
-
-def _mm(a: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
-    """a [M, in] @ w_t [in, out] (+ bias), in fp32 when `upcast` (result in a's dtype)."""
-    if upcast:
-        out = torch.mm(a.float(), w_t.float())
-        return (out if bias is None else out + bias.float()).to(a.dtype)
-    return torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
-
-
 class NativeDecoder(nn.Module):
     """Compact llama-family decoder implementing `CausalLM` (see module docstring)."""
 
@@ -211,6 +201,7 @@ class NativeDecoder(nn.Module):
             head_dim=spec.head_dim,
         )
         self._ensure_rope(min(spec.max_position, 8192))
+        self.plan = forced_plan("bf16" if dtype == torch.bfloat16 else "fp32", device)  # see use_formats
         self._refresh()
 
     # -- construction ---------------------------------------------------------------------------
@@ -297,10 +288,17 @@ class NativeDecoder(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., d] final normed states -> [.., V] fp32 logits."""
-        w = self.lm_head_weight()  # [V, d]
-        if self._upcast_rows is not None and hidden.numel() >= self._upcast_rows * hidden.shape[-1]:
-            return F.linear(hidden.float(), w.float())
-        return F.linear(hidden, w).float()
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [M, d]
+        return self._head(flat).view(*hidden.shape[:-1], -1).float()
+
+    def use_formats(self, plan: FormatPlan) -> None:
+        """Run the matrix products in `plan`'s formats; norms, embeddings and the KV cache move
+        to its activation dtype (a plain kernel of that dtype reuses the weight without a copy)."""
+        self.plan = plan
+        if self.norm.dtype != plan.act_dtype:
+            self.to(plan.act_dtype)  # _apply rebuilds the products
+        else:
+            self._refresh()
 
     @torch.no_grad()
     def forward(
@@ -357,14 +355,13 @@ class NativeDecoder(nn.Module):
     def _layer(self, w: tuple, x, cos, sin, plan: _Plan, i: int) -> torch.Tensor:
         """One decoder layer on x [B*N, d]; weights `w` are [in, out] views (see `_refresh`)."""
         s = self.spec
-        ln1, qkv_t, b_qkv, qk_norm, o_t, b_o, ln2, gu_t, b_gu, down_t, b_down = w
+        ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
         B, N = cos.shape[:2]
         d, H, Hk, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         G = H // Hk
         # 1. attention input: fused QKV projection, (qwen3) per-head norm, RoPE on q and k at once
         h = F.rms_norm(x, (d,), ln1, s.rms_norm_eps)
-        up = self._upcast_rows is not None and x.shape[0] >= self._upcast_rows
-        qkv = _mm(h, qkv_t, b_qkv, up)  # [B*N, (H+2Hk)D]
+        qkv = qkv_proj(h)  # [B*N, (H+2Hk)D]
         qk = qkv[:, : (H + Hk) * D].view(B, N, H + Hk, D)
         v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
         if qk_norm is not None:
@@ -396,13 +393,13 @@ class NativeDecoder(nn.Module):
             o = o.view(B, H * D)
         else:
             o = o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
-        x = x + _mm(o, o_t, b_o, up)
+        x = x + o_proj(o)
         # 4. SiLU MLP with fused gate/up
         h = F.rms_norm(x, (d,), ln2, s.rms_norm_eps)
-        gu = _mm(h, gu_t, b_gu, up)  # [B*N, 2I]
+        gu = gu_proj(h)  # [B*N, 2I]
         inter = s.intermediate_size
         act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [B*N, I]
-        return x + _mm(act, down_t, b_down, up)
+        return x + down_proj(act)
 
     def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
         """Plan the cache writes/reads and build the attention mask once for all layers."""
@@ -479,31 +476,22 @@ class NativeDecoder(nn.Module):
         self._rope_len = length
 
     def _refresh(self) -> None:
-        """Per-layer tuples of weights with matrices as [in, out] views, for direct torch.mm calls."""
-        slow_bf16 = (
-            self.norm.dtype == torch.bfloat16 and self.norm.device.type == "cpu" and not cpu_has_fast_bf16()
-        )
-        self._upcast_rows = UPCAST_MIN_ROWS if slow_bf16 else None
-
-        def t(p):
-            return None if p is None else p.t()
-
+        """Per-layer tuples of norms and `Linear` products in the current plan's formats."""
+        plan = self.plan
         self._flat = [
             (
                 w.ln1,
-                t(w.w_qkv),
-                w.b_qkv,
+                Linear(w.w_qkv, w.b_qkv, plan),
                 w.qk_norm,
-                t(w.w_o),
-                w.b_o,
+                Linear(w.w_o, w.b_o, plan),
                 w.ln2,
-                t(w.w_gu),
-                w.b_gu,
-                t(w.w_down),
-                w.b_down,
+                Linear(w.w_gu, w.b_gu, plan),
+                Linear(w.w_down, w.b_down, plan),
             )
             for w in self.layers
         ]
+        self._head = Linear(self.lm_head_weight(), None, plan)
+        self.info = replace(self.info, format=plan.name)
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() rebuild the RoPE table on the new device/dtype and update info.
@@ -514,11 +502,12 @@ class NativeDecoder(nn.Module):
         self._inv_freq = self._inv_freq.to(p.device)
         self._rope_len = 0
         self._ensure_rope(n)
+        if self.plan.act_dtype != p.dtype or p.device.type != "cpu":
+            # A plain .to(dtype/device) means that one format (the CPU kernels stay on the CPU).
+            self.plan = forced_plan("bf16" if p.dtype == torch.bfloat16 else "fp32", p.device)
         self._refresh()
         return out
 
 
 def _replace_info(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> ModelInfo:
-    from dataclasses import replace
-
     return replace(info, dtype=dtype, device=device)

@@ -38,7 +38,7 @@ def run_training(
     out_dir,
     cfg,
     method_kw: dict | None = None,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     device: str | None = None,
     feature_cache: str | None = None,
     progress: bool = True,

@@ -235,18 +235,19 @@ def test_smollm2_matches_transformers_fp32(smollm2_dir, hf_reference):
 
 
 def test_bf16_upcast_path_agrees_and_prefill_can_skip_logits(tiny_llama_dir):
-    """Large blocks on CPUs without native bf16 GEMM run the products in fp32; same model."""
+    """Forced bf16 multiplies prefill-sized products in fp32 (bf16-up); same model as pure bf16."""
+    from specdecode.models.formats import FormatPlan, forced_plan
     from specdecode.models.loader import load_model
 
     m = load_model(str(tiny_llama_dir), dtype="bf16", device="cpu").model
+    assert m.plan == forced_plan("bf16") and "bf16-up" in m.plan.kernels
     ids = torch.randint(0, 300, (1, 24))
     pos = torch.arange(24)[None]
     outs = []
-    for rows in (None, 16):
-        m._upcast_rows = rows
+    for plan in (FormatPlan(("bf16",) * 7), forced_plan("bf16")):
+        m.use_formats(plan)
         cache = m.new_cache(1, 64)
         outs.append(m.forward(ids, pos, cache, [0]).logits)
         assert m.forward(ids, pos, cache, [0], logits=False).logits is None
-    m._refresh()
     assert torch.allclose(outs[0], outs[1], atol=0.1, rtol=0.05)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() > 0.9

@@ -244,7 +244,7 @@ def calibrate(
     temperature: float = 1.0,
     max_new_tokens: int = 128,
     eval_fraction: float = 0.33,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     device: str | None = None,
     max_batch: int = 8,
     bias: bool = False,

@@ -1,0 +1,322 @@
+"""Weight formats for the native runtime's matrix products, chosen by measurement.
+
+Contract:
+* A *kernel* (`KERNELS`) turns one weight [out, in] (+ bias [out]) into a product
+  `fn(x [M, in]) -> [M, out]` that returns x's dtype whatever it computes in:
+  - `fp32`: torch.mm on a transposed view of an fp32 weight (no copy of an fp32 master);
+  - `bf16`: the same on a bf16 copy (x is cast in, the result cast back);
+  - `bf16-up`: bf16 weights multiplied in fp32 (upcast per product): what a forced bf16 model
+    uses on CPU for prefill-sized products, where bf16 GEMM may have no fast kernel;
+  - `fp32-mkl`, `fp32-onednn`, `bf16-onednn`: weights pre-packed once for MKL's or oneDNN's
+    GEMM (what inductor's CPU weight freezing does; private ops, wrapped here in one place; a
+    CPU whose oneDNN refuses a packing, e.g. bf16 without AVX-512, simply lacks that kernel);
+  - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
+    asymmetric), PyTorch's own CPU kernels. They change the model: never chosen by `auto`.
+* A `FormatPlan` maps the number of rows M of a product to a kernel: bucket i covers
+  M <= `BUCKETS[i]` (the last bucket covers everything larger). One-token steps and
+  multi-token verification may so use different copies of the same weights; their results
+  differ by rounding only (like bf16 batch effects). `act_dtype` is the dtype activations and
+  the KV cache use: bf16 when every kernel of the plan computes in bf16, else fp32.
+* `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
+  matrix shapes (random weights, several layers so they do not fit in cache), picks the fastest
+  kernel per bucket, and caches the measurement and the plan as JSON under
+  `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count and
+  the shapes. No CPU flag is read to decide: a kernel that is slow or refused here loses.
+* `forced_plan(name)` gives one format everywhere (`fp32`, `bf16`, `int8`, `int4`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # rows M of a product: one step ... a prefill chunk
+AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn")
+FORCED = ("fp32", "bf16", "int8", "int4")
+INT4_GROUP = 32
+_BF16 = {"bf16", "bf16-onednn", "bf16-up"}
+_MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+def _plain(dtype: torch.dtype):
+    def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+        wt = w.to(dtype).t()  # [in, out] view: torch.mm reads it as a transposed operand
+        bb = None if b is None else b.to(dtype)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            a = x.to(dtype)
+            y = torch.mm(a, wt) if bb is None else torch.addmm(bb, a, wt)
+            return y.to(x.dtype)
+
+        return fn
+
+    return prepare
+
+
+def _bf16_up(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    wt = w.to(torch.bfloat16).t()  # [in, out] view
+    bb = None if b is None else b.float()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(x.float(), wt.float())
+        return (y if bb is None else y + bb).to(x.dtype)
+
+    return fn
+
+
+def _mkl_fp32(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    w = w.float().contiguous()
+    bb = None if b is None else b.float()
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x.float(), packed, w, bb, x.shape[0]).to(x.dtype)
+
+    return fn
+
+
+def _onednn(dtype: torch.dtype):
+    def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), 1)
+        bb = None if b is None else b.to(dtype)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bb, "none", [], "").to(x.dtype)
+
+        return fn
+
+    return prepare
+
+
+def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
+    bb = None if b is None else b.float()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.float(), q, scale)
+        return (y if bb is None else y + bb).to(x.dtype)
+
+    return fn
+
+
+def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q [out, in] int32 in 0..15, scales_and_zeros [in/group, out, 2]) such that
+    w ~= (q - 8) * scale + zero, the layout `_weight_int4pack_mm_for_cpu` expects."""
+    out, inp = w.shape
+    if inp % group:
+        raise SpecDecodeError(f"int4 needs input widths divisible by {group}; this model has {inp}")
+    g = w.float().reshape(out, inp // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)  # [out, in/group]
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out, inp)
+    zero = lo + 8 * scale  # the value of q == 8
+    return q, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+
+def _int4(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    q, sz = int4_quantize(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    bb = None if b is None else b.float()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float(), packed, INT4_GROUP, sz)
+        return (y if bb is None else y + bb).to(x.dtype)
+
+    return fn
+
+
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
+    "fp32": _plain(torch.float32),
+    "bf16": _plain(torch.bfloat16),
+    "bf16-up": _bf16_up,
+    "fp32-mkl": _mkl_fp32,
+    "fp32-onednn": _onednn(torch.float32),
+    "bf16-onednn": _onednn(torch.bfloat16),
+    "int8": _int8,
+    "int4": _int4,
+}
+
+
+# ---- plans ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FormatPlan:
+    """Which kernel serves a product of M rows: `kernels[i]` for M <= BUCKETS[i] (last: larger)."""
+
+    kernels: tuple[str, ...]  # one per bucket
+
+    def __post_init__(self) -> None:
+        if len(self.kernels) != len(BUCKETS) or any(k not in KERNELS for k in self.kernels):
+            raise SpecDecodeError(f"a format plan needs {len(BUCKETS)} kernels from {sorted(KERNELS)}")
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if all(k in _BF16 for k in self.kernels) else torch.float32
+
+    @property
+    def name(self) -> str:
+        """Short description, e.g. `bf16@1,fp32-mkl@2+`."""
+        parts, start = [], 0
+        for i in range(1, len(BUCKETS) + 1):
+            if i == len(BUCKETS) or self.kernels[i] != self.kernels[start]:
+                lo = 1 if start == 0 else BUCKETS[start - 1] + 1
+                hi = BUCKETS[i - 1]
+                rng = f"{lo}+" if i == len(BUCKETS) else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+                parts.append(f"{self.kernels[start]}@{rng}")
+                start = i
+        return ",".join(parts) if len(parts) > 1 else self.kernels[0]
+
+    def to_json(self) -> dict:
+        return {"buckets": list(BUCKETS), "kernels": list(self.kernels)}
+
+
+def forced_plan(name: str, device: torch.device | str = "cpu") -> FormatPlan:
+    """One format everywhere; bf16 on CPU multiplies prefill-sized products (M > 16) in fp32."""
+    if name not in FORCED:
+        raise SpecDecodeError(f"unknown weight format {name!r}; choose one of: auto, {', '.join(FORCED)}")
+    if name == "bf16" and torch.device(device).type == "cpu":
+        return FormatPlan(tuple("bf16" if m <= 16 else "bf16-up" for m in BUCKETS))
+    return FormatPlan((name,) * len(BUCKETS))
+
+
+class Linear:
+    """One projection in a plan's formats: each distinct kernel holds its own copy of the weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: FormatPlan) -> None:
+        made: dict[str, Product] = {}
+        for k in plan.kernels:
+            if k not in made:
+                made[k] = KERNELS[k](weight, bias)
+        self._by_bucket = [made[k] for k in plan.kernels]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        i = min(bisect.bisect_left(BUCKETS, x.shape[0]), len(BUCKETS) - 1)
+        return self._by_bucket[i](x)
+
+
+# ---- measurement ------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def measure_kernels(
+    shapes: Sequence[tuple[int, int]],  # (out, in) of one layer's products
+    head: tuple[int, int] | None,  # (out, in) of the LM head, or None
+    num_layers: int,
+    candidates: Sequence[str] = AUTO_CANDIDATES,
+    buckets: Sequence[int] = BUCKETS,
+    repeats: int = 5,
+) -> dict[str, list[float | None]]:
+    """Median ms of one forward's products per kernel and bucket (None: refused here).
+
+    `_MEASURE_LAYERS` layers of random weights are timed and scaled to `num_layers`; the head
+    is timed once. Candidates are interleaved within each repeat so machine noise hits all alike.
+    """
+    gen = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes] for _ in range(_MEASURE_LAYERS)]
+    head_w = None if head is None else torch.randn(*head, generator=gen) * 0.02
+    prepared: dict[str, tuple[list[Product], Product | None]] = {}
+    for k in candidates:
+        try:
+            fns = [KERNELS[k](w, None) for layer in layers for w in layer]
+            hf = None if head_w is None else KERNELS[k](head_w, None)
+            x = torch.randn(2, shapes[0][1])
+            ref = torch.mm(x, layers[0][0].t())
+            if not torch.allclose(fns[0](x), ref, rtol=0.05, atol=0.05):
+                continue  # a kernel that computes something else here is no candidate
+            prepared[k] = (fns, hf)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            continue
+    scale = num_layers / _MEASURE_LAYERS
+    out: dict[str, list[float | None]] = {k: [None] * len(buckets) for k in candidates}
+    for bi, m in enumerate(buckets):
+        acts = {i: torch.randn(m, i, generator=gen) for _, i in shapes}
+        h = None if head is None else torch.randn(m, head[1], generator=gen)
+        times: dict[str, list[float]] = {k: [] for k in prepared}
+        for r in range(repeats + 1):
+            for k, (fns, hf) in prepared.items():
+                t0 = time.perf_counter()
+                for j, fn in enumerate(fns):
+                    fn(acts[shapes[j % len(shapes)][1]])
+                t1 = time.perf_counter()
+                if hf is not None:
+                    hf(h)
+                t2 = time.perf_counter()
+                if r:  # the first round warms up
+                    times[k].append(((t1 - t0) * scale + (t2 - t1)) * 1e3)
+        for k, ts in times.items():
+            out[k][bi] = statistics.median(ts)
+    return out
+
+
+def plan_from_profile(profile: dict[str, list[float | None]]) -> FormatPlan:
+    """The fastest kernel per bucket."""
+    kernels = []
+    for bi in range(len(BUCKETS)):
+        timed = {k: v[bi] for k, v in profile.items() if v[bi] is not None}
+        if not timed:
+            raise SpecDecodeError("no weight format could be measured on this machine; pass --dtype fp32")
+        kernels.append(min(timed, key=timed.get))
+    return FormatPlan(tuple(kernels))
+
+
+def auto_plan(
+    shapes: Sequence[tuple[int, int]], head: tuple[int, int] | None, num_layers: int, device: torch.device
+) -> tuple[FormatPlan, dict]:
+    """The measured plan for these shapes on this machine (cached); returns (plan, record)."""
+    if device.type != "cpu":
+        return forced_plan("bf16"), {"reason": f"{device.type}: bf16 tensor cores"}
+    from specdecode.assets import cache_dir
+
+    ident = [
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        _cpu_model(),
+        str(torch.get_num_threads()),
+        json.dumps([list(s) for s in shapes]),
+        str(head),
+        str(num_layers),
+        ",".join(AUTO_CANDIDATES),
+        ",".join(map(str, BUCKETS)),
+    ]
+    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    path = cache_dir() / "formats" / f"{key}.json"
+    if path.exists():
+        rec = json.loads(path.read_text())
+        return FormatPlan(tuple(rec["plan"]["kernels"])), rec
+    profile = measure_kernels(shapes, head, num_layers)
+    plan = plan_from_profile(profile)
+    rec = {
+        "plan": plan.to_json(),
+        "name": plan.name,
+        "ms_per_forward": profile,
+        "cpu": _cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, path)
+    return plan, rec

@@ -1,0 +1,161 @@
+"""Weight formats: every kernel computes the same product (within its format's rounding), plans
+dispatch by rows, `auto` measures once per machine, and quantized targets stay lossless
+(greedy spec == greedy ar on the quantized model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.config import SamplingParams
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models import formats
+from specdecode.models.formats import BUCKETS, KERNELS, FormatPlan, Linear, forced_plan, int4_quantize
+from specdecode.models.loader import load_model
+from specdecode.policy import FixedK
+
+# Relative error of each kernel against an fp32 product (weights ~N(0, 1), 128 inputs).
+TOLERANCE = {"fp32": 1e-5, "fp32-mkl": 1e-5, "fp32-onednn": 1e-5, "bf16": 2e-2, "bf16-up": 2e-2,
+             "bf16-onednn": 2e-2, "int8": 2e-2, "int4": 0.2}  # fmt: skip
+
+
+def _available(name, w, b):
+    try:
+        return KERNELS[name](w, b)
+    except (RuntimeError, NotImplementedError) as e:  # e.g. oneDNN bf16 packing without AVX-512
+        pytest.skip(f"{name} is refused on this machine: {str(e)[:80]}")
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_every_kernel_computes_the_product(name, rows):
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 128, generator=gen)
+    fn = _available(name, w, b)
+    ref = F.linear(x, w, b)
+    for act in (torch.float32, torch.bfloat16):
+        y = fn(x.to(act))
+        assert y.dtype == act and y.shape == (rows, 96)
+        err = (y.float() - ref).norm() / ref.norm()
+        assert err < TOLERANCE[name] + (1e-2 if act == torch.bfloat16 else 0), (name, act, float(err))
+
+
+def test_int4_matches_its_dequantized_weights():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    q, sz = int4_quantize(w)
+    assert q.min() >= 0 and q.max() <= 15
+    scale = sz[..., 0].t().repeat_interleave(32, dim=1)  # [out, in]
+    zero = sz[..., 1].t().repeat_interleave(32, dim=1)
+    w_deq = (q - 8) * scale + zero
+    torch.testing.assert_close(KERNELS["int4"](w, None)(x), F.linear(x, w_deq), rtol=1e-4, atol=1e-3)
+    with pytest.raises(SpecDecodeError, match="divisible by 32"):
+        int4_quantize(torch.randn(8, 40))
+
+
+def test_plan_dispatches_by_rows_and_names_itself():
+    plan = FormatPlan(("bf16", "fp32", "fp32", "fp32", "fp32", "fp32", "fp32"))
+    assert plan.act_dtype == torch.float32 and plan.name == "bf16@1,fp32@2+"
+    assert forced_plan("bf16", "cpu").act_dtype == torch.bfloat16
+    assert forced_plan("bf16", "cuda").kernels == ("bf16",) * len(BUCKETS)
+    assert forced_plan("int8").name == "int8"
+    w = torch.randn(16, 32)
+    lin = Linear(w, None, plan)
+    one, two = torch.randn(1, 32), torch.randn(2, 32)
+    assert torch.equal(lin(one), KERNELS["bf16"](w, None)(one))  # M = 1: the bf16 copy
+    assert torch.equal(lin(two), KERNELS["fp32"](w, None)(two))  # M >= 2: the fp32 weights
+    assert lin(torch.randn(1000, 32)).shape == (1000, 16)  # past the last bucket: its kernel
+    with pytest.raises(SpecDecodeError, match="weight format"):
+        forced_plan("fp8")
+    with pytest.raises(SpecDecodeError, match="plan needs"):
+        FormatPlan(("fp32",))
+
+
+def test_profile_picks_the_fastest_kernel_per_bucket():
+    n = len(BUCKETS)
+    profile = {"fp32": [2.0] * n, "bf16": [1.0] + [3.0] * (n - 1), "fp32-mkl": [None] * n}
+    assert formats.plan_from_profile(profile).kernels == ("bf16",) + ("fp32",) * (n - 1)
+    with pytest.raises(SpecDecodeError, match="no weight format"):
+        formats.plan_from_profile({"fp32": [None] * n})
+
+
+def test_auto_measures_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    calls = []
+    real = formats.measure_kernels
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw, repeats=1, buckets=BUCKETS)
+
+    monkeypatch.setattr(formats, "measure_kernels", counted)
+    shapes, head = [(96, 64), (64, 64), (256, 64), (64, 128)], (448, 64)
+    plan, rec = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
+    again, _ = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
+    assert calls == [1] and again == plan
+    assert set(rec["ms_per_forward"]) == set(formats.AUTO_CANDIDATES)
+    assert all(k in formats.AUTO_CANDIDATES for k in plan.kernels)  # never a quantized format
+    assert list((tmp_path / "formats").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def auto_tiny(tiny_llama_dir, tmp_path_factory):
+    import os
+
+    old = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield load_model(str(tiny_llama_dir), dtype="auto", device="cpu")
+    finally:
+        if old is None:
+            os.environ.pop("SPECDECODE_CACHE")
+        else:
+            os.environ["SPECDECODE_CACHE"] = old
+
+
+def test_auto_model_is_the_same_model(auto_tiny, tiny_llama_dir):
+    ref = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu").model
+    m = auto_tiny.model
+    assert m.info.format == m.plan.name and m.info.dtype == m.plan.act_dtype
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    a = m.forward(ids, None, m.new_cache(2, 16), [0, 1]).logits
+    b = ref.forward(ids, None, ref.new_cache(2, 16), [0, 1]).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def _greedy(target, drafter, k, prompts, n=20):
+    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=4)
+    reqs = [
+        GenerationRequest(p, SamplingParams(), n, id=str(i), ignore_eos=True) for i, p in enumerate(prompts)
+    ]
+    return [r.token_ids for r in dec.generate(reqs)]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_target_is_lossless_for_itself(fmt, tiny_llama_dir, tiny_qwen2_dir):
+    target = load_model(str(tiny_llama_dir), dtype=fmt, device="cpu")
+    assert target.model.info.format == fmt
+    tok = target.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("the cat sat on the mat and the cat", "a b c d e f g a b c")]
+    base = _greedy(target, ARDrafter(), 0, prompts)
+    other = load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
+    v, rows = target.vocab_size, target.model.info.vocab_size
+    for drafter in (
+        NgramDrafter(),
+        DraftModelDrafter(target.model, v, rows),
+        DraftModelDrafter(other.model, v, rows),
+    ):
+        assert _greedy(target, drafter, 4, prompts) == base
+    fp32 = _greedy(load_model(str(tiny_llama_dir), dtype="fp32", device="cpu"), ARDrafter(), 0, prompts)
+    assert fp32 != base or fmt == "int8"  # int4 is another model (int8 may round to the same tokens)
+
+
+def test_quantized_formats_need_the_native_runtime(tiny_gpt2_dir):
+    with pytest.raises(SpecDecodeError, match="native runtime"):
+        load_model(str(tiny_gpt2_dir), dtype="int8", device="cpu")
