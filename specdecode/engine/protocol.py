@@ -32,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import uuid
@@ -78,8 +79,8 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 
 def _short(v, n: int = 64) -> str:
-    """A client's value in an error message: JSON, cut to n characters."""
-    s = json.dumps(v, ensure_ascii=False, default=str)
+    """A client's value in an error message: JSON (ASCII, so never an unpaired surrogate), cut."""
+    s = json.dumps(v, default=str)
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
@@ -101,6 +102,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON escape such as \uD800 decodes to
+
+
+def _text(v) -> bool:
+    """A non-empty string that is valid Unicode (no unpaired surrogate: tokenizers refuse them)."""
+    return isinstance(v, str) and len(v) > 0 and (v.isascii() or not _SURROGATE.search(v))
+
+
 def _is_ids(v) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
 
@@ -109,14 +118,11 @@ def _prompts(v) -> list[str | list[int]]:
     """One prompt (text or token ids) or a list of them -> a list of prompts."""
     if isinstance(v, str) or _is_ids(v):
         v = [v]
-    if (
-        isinstance(v, list)
-        and 0 < len(v) <= MAX_CHOICES
-        and all((isinstance(p, str) and p) or _is_ids(p) for p in v)
-    ):
+    if isinstance(v, list) and 0 < len(v) <= MAX_CHOICES and all(_text(p) or _is_ids(p) for p in v):
         return v
     raise ValueError(
-        f"must be a non-empty string, a list of token ids, or a list of up to {MAX_CHOICES} of those"
+        f"must be a non-empty string, a list of token ids, or a list of up to {MAX_CHOICES} of those "
+        "(text must be valid Unicode)"
     )
 
 
@@ -127,7 +133,7 @@ def _stop(v) -> tuple[str, ...]:
     if (
         not isinstance(v, list)
         or not 0 < len(v) <= MAX_STOP
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v)
+        or not all(_text(s) and len(s) <= MAX_STOP_CHARS for s in v)
     ):
         raise ValueError(
             f"must be a string or a list of up to {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters"
@@ -157,13 +163,15 @@ class ChatMessage(_Body):
     def _text(cls, v, info) -> str:
         if v is None and info.data.get("role") == "assistant":
             return ""
-        if isinstance(v, str):
-            return v
         if isinstance(v, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
         ):
-            return "".join(p["text"] for p in v)
-        raise ValueError("must be a string or a list of text parts ({'type': 'text', 'text': ...})")
+            v = "".join(p["text"] for p in v)
+        if isinstance(v, str) and (v == "" or _text(v)):
+            return v
+        raise ValueError(
+            "must be a string or a list of text parts ({'type': 'text', 'text': ...}) of valid Unicode"
+        )
 
 
 class _Request(_Body):
@@ -252,6 +260,19 @@ class ChatRequest(_Request):
         if v:
             raise ValueError("is not supported by this server")
         return v
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer (documents the OpenAPI schema)."""
+
+    error: ErrorDetail
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:

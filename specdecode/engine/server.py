@@ -45,6 +45,7 @@ from specdecode.engine.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    ErrorBody,
     ParsedRequest,
     ServeContext,
     chat_body,
@@ -150,7 +151,7 @@ def create_app(
 ):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = limits or ServerLimits()
@@ -164,7 +165,8 @@ def create_app(
         await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
         pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = _openapi(app, ctx)
     metrics = engine.metrics
     created = int(time.time())
 
@@ -224,13 +226,16 @@ def create_app(
             "max_model_len": ctx.max_model_len,
         }
 
-    @app.get("/health")
+    def errors(*codes) -> dict:
+        return {c: {"model": ErrorBody, "description": ERRORS[c]} for c in codes}
+
+    @app.get("/health", responses={503: {"description": "shutting down"}})
     async def health():
         if engine.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok", "running": engine.decoder.num_active, "waiting": engine.num_waiting}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -238,17 +243,17 @@ def create_app(
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def get_model(model_id: str):
         if model_id not in ctx.names:
             raise APIError(404, "The model does not exist (GET /v1/models)", "model", "model_not_found")
         return model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=errors(*ERRORS) | STREAM)
     async def completions(body: CompletionRequest, request: Request):
         return await run(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors(*ERRORS) | STREAM)
     async def chat_completions(body: ChatRequest, request: Request):
         return await run(request, body)
 
@@ -366,6 +371,42 @@ def create_app(
                 engine.abort(rid)
 
     return app
+
+
+ERRORS = {
+    400: "malformed JSON, wrong types, impossible values, or more tokens than the context holds",
+    404: "unknown model",
+    408: "the body arrived too slowly",
+    413: "the body is over the size limit",
+    429: "the queue is full; retry later",
+    500: "decoding failed",
+    503: "shutting down",
+}
+STREAM = {
+    200: {
+        "description": "JSON, or server-sent events when stream is true",
+        "content": {"text/event-stream": {}},
+    }
+}
+
+
+def _openapi(app, ctx: ServeContext):
+    """The schema FastAPI generates, made true to this server: validation errors are 400 (as
+    OpenAI's), not FastAPI's 422, and `model` names the served model."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for ops in schema["paths"].values():
+                for op in ops.values():
+                    op["responses"].pop("422", None)
+            for name in ("CompletionRequest", "ChatRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [ctx.model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def _local_paths(ctx: ServeContext) -> tuple[str, ...]:
