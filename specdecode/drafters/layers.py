@@ -11,6 +11,11 @@ Contract:
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
+- `DraftVocab(d2t, vocab_size, V)`: sampling that stays in the draft vocabulary (Vd ids) until
+  the verifier needs the full one: `probs(small_logits, params)` processes Vd logits (ids the
+  tokenizer cannot emit masked), exactly the probabilities processing the full-vocabulary
+  logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `to_target(ids)`
+  maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
 - `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
   every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
 Legend: B batch, N query rows, M key rows, H heads, Hk KV heads, D head dim, d model width.
@@ -101,6 +106,31 @@ def draft_to_full_logits(small: torch.Tensor, d2t: torch.Tensor, vocab_rows: int
     """[B, Vd] draft-vocabulary logits -> [B, V] fp32 target-vocabulary logits (-inf elsewhere)."""
     full = torch.full((small.shape[0], vocab_rows), float("-inf"), device=small.device)
     return full.index_copy_(1, d2t.to(small.device), small.float())
+
+
+class DraftVocab:
+    """A reduced draft vocabulary: processing and sampling in Vd ids, one scatter to V at the end."""
+
+    def __init__(self, d2t: torch.Tensor, vocab_size: int, vocab_rows: int) -> None:
+        self.d2t = d2t  # [Vd] target id of each draft id
+        self.vocab_rows = vocab_rows  # V
+        off = d2t >= vocab_size  # [Vd] draft ids the tokenizer never emits (padded head rows)
+        self.off = off if bool(off.any()) else None
+
+    def probs(self, small_logits: torch.Tensor, params: list) -> torch.Tensor:  # [B, N, Vd] -> same
+        from specdecode.sampling import process_logits_batch
+
+        x = small_logits.float()
+        if self.off is not None:
+            x = x.masked_fill(self.off.to(x.device), float("-inf"))
+        return process_logits_batch(x, params)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] draft ids -> target ids
+        return self.d2t.to(draft_ids.device)[draft_ids]
+
+    def to_full(self, q: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [..., V] (zeros elsewhere)
+        full = torch.zeros(*q.shape[:-1], self.vocab_rows, dtype=q.dtype, device=q.device)
+        return full.index_copy_(-1, self.d2t.to(q.device), q)
 
 
 def shifted_kl(

@@ -14,6 +14,8 @@ Contract:
   (the request's temperature / top-k / top-p); draft k is sampled from q_k with the request's
   generator (exactly `num_draft[b]` uniforms per request) and q_k is returned for rejection
   sampling. DFlash slots are independent given the context, so every q_k is known at once.
+  Processing and sampling run over the Vd draft ids (`DraftVocab`); q is scattered to the
+  target vocabulary once per round, for the verifier.
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
@@ -26,9 +28,9 @@ import torch
 
 from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
-from specdecode.drafters.layers import draft_to_full_logits
+from specdecode.drafters.layers import DraftVocab
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import process_logits_batch, sample
+from specdecode.sampling import sample
 
 
 class DFlashDrafter(Drafter):
@@ -48,6 +50,7 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
+        self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
 
@@ -114,10 +117,6 @@ class DFlashDrafter(Drafter):
         return self.net.block_states(self.net.block_input(emb), pos.to(self.device), ctx_kv, visible)[:, 0]
 
     # ---- propose --------------------------------------------------------------------------
-    def _full_logits(self, states: torch.Tensor) -> torch.Tensor:
-        """[N, d] states -> [N, V] fp32 logits over the target vocab (-inf off the draft vocab)."""
-        return draft_to_full_logits(self.net.logits(states, self.head_w), self.net.d2t, self.vocab_rows)
-
     def _uniforms(self, batch, idx, num, j) -> torch.Tensor:
         """One uniform per request that drafts position j (exactly num[b] per request)."""
         return torch.stack(
@@ -128,15 +127,14 @@ class DFlashDrafter(Drafter):
         )
 
     def _draft(self, batch, idx, states, num):
-        """states [B', Bk, d] -> draft ids [B', K], q [B', K, V], extras; K = max(num)."""
+        """states [B', Bk, d] -> draft ids [B', K], q [B', K, Vd] (draft vocabulary), extras."""
         first = self.net.cfg.first_draft_slot
         K = max(num)
         params = [batch[b].params for b in idx]
-        full = self._full_logits(states[:, first : first + K].reshape(-1, states.shape[-1]))
-        q = process_logits_batch(full.view(len(idx), K, -1), params, self.vocab_size)  # [B', K, V]
-        ids = torch.zeros(len(idx), K, dtype=torch.long)
-        for j in range(K):
-            ids[:, j] = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device)).cpu()
+        small = self.net.logits(states[:, first : first + K], self.head_w)  # [B', K, Vd]
+        q = self.vocab.probs(small, params)  # [B', K, Vd]
+        u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
+        ids = self.vocab.to_target(sample(q, u.to(q.device))).cpu()  # [B', K]
         return ids, q, num, {}
 
     @torch.no_grad()
@@ -155,7 +153,7 @@ class DFlashDrafter(Drafter):
         draft_ids = torch.zeros(len(batch), K, dtype=torch.long)
         draft_ids[sel] = ids
         draft_probs = torch.zeros(len(batch), K, self.vocab_rows)
-        draft_probs[sel] = q.float().cpu()
+        draft_probs[sel] = self.vocab.to_full(q.float()).cpu()  # the verifier's vocabulary
         n = torch.zeros(len(batch), dtype=torch.long)
         n[sel] = torch.tensor(num)
         for key, val in extras.items():  # per-request extras ([B', K]) -> [B, K]

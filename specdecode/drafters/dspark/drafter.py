@@ -5,7 +5,9 @@ Contract:
   `DFlashDrafter` (same context cache and block forward; all block slots are drafts). For slot
   k = 1..K in order: c_k = sigmoid(conf([h_k ; W1[x_{k-1}]]) / sts_temperature[k] + sts_bias[k]) (x_0 = the
   anchor), then x_k is sampled from q_k = process(U_k + W2(W1[x_{k-1}])) with the request's
-  generator; q_k, the corrected distribution, is what rejection sampling uses.
+  generator; q_k, the corrected distribution, is what rejection sampling uses. The pass runs
+  over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
+  target vocabulary once per round (DFlashDrafter.propose).
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
   scheduler (`provides_confidences`).
 - Per-request truncation: with `confidence_threshold`, a request stops drafting at the first k
@@ -21,9 +23,8 @@ import torch
 from specdecode.drafters.dflash.drafter import DFlashDrafter
 from specdecode.drafters.dflash.model import t2d_table
 from specdecode.drafters.dspark.model import DSpark
-from specdecode.drafters.layers import draft_to_full_logits
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import process_logits_batch, sample
+from specdecode.sampling import sample
 
 THRESHOLD_ON = ("survival", "confidence")
 
@@ -56,8 +57,8 @@ class DSparkDrafter(DFlashDrafter):
         prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
         # Drafts and confidences stay on the device; the host reads them once at the end (and
         # per slot only when a threshold has to be checked).
-        ids = torch.zeros(n, K, dtype=torch.long, device=self.device)
-        q = torch.zeros(n, K, self.vocab_rows, device=self.device)
+        ids = torch.zeros(n, K, dtype=torch.long, device=self.device)  # draft ids
+        q = torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
         conf = torch.zeros(n, K, device=self.device)
         survival = torch.ones(n, device=self.device)
         for j in range(K):
@@ -72,10 +73,9 @@ class DSparkDrafter(DFlashDrafter):
                         num[i] = j  # stop before sampling x_j: decided from x_{<j} only
             if all(j >= k for k in num):
                 break
-            full = draft_to_full_logits(net.markov_logits(U[:, j], prev), net.d2t, self.vocab_rows)
-            q[:, j] = process_logits_batch(full[:, None], params, self.vocab_size)[:, 0]
-            x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device))  # [B']
+            q[:, j] = self.vocab.probs(net.markov_logits(U[:, j], prev)[:, None], params)[:, 0]
+            x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device))  # [B'] draft ids
             ids[:, j] = x
-            prev = self.t2d[x]
+            prev = x  # a draft id is its own row of W1 (only the anchor may be "other")
         K = max(max(num), 0)
-        return ids[:, :K].cpu(), q[:, :K], num, {"confidences": conf[:, :K].cpu()}
+        return self.vocab.to_target(ids[:, :K]).cpu(), q[:, :K], num, {"confidences": conf[:, :K].cpu()}
