@@ -1,32 +1,32 @@
 """OpenAI-compatible request models (pydantic), request planning and response shapes.
 
 Contract:
-- `CompletionRequest` and `ChatRequest` are the request bodies of `/v1/completions` and
-  `/v1/chat/completions`. FastAPI validates a body against them (strict types: no "12" for an
-  integer, no 1 for a boolean, no "NaN" for a number; an integral float such as 16.0 is an
-  integer) and `validation_error(errors)` turns pydantic's errors into an `APIError` 400 naming
-  the parameter, or code `invalid_json` for a body that is not JSON. Unknown fields are ignored.
-- Sampling values: temperature in [0, 2], top_p in (0, 1], top_k >= -1 (0 and -1 disable it);
-  NaN and infinities are refused. Tiny positive values are valid: the core
-  (`config.SamplingParams`) treats a temperature below `MIN_TEMPERATURE` as greedy and keeps only
-  the top token for a top_p below the smallest fp32 mass. `stop`: a string or up to `MAX_STOP`
-  strings of 1..`MAX_STOP_CHARS` characters. Parameters this server cannot honour while staying
-  lossless (penalties, logit bias, logprobs, tools, echo, suffix) are 400 naming the parameter.
-- `precheck(req, ctx)` does the cheap checks that need the served model: the model name (404),
-  the number of choices, token ids inside the vocabulary, a max_tokens that cannot fit (400,
-  code `context_length_exceeded`). `plan(req, ctx)` then tokenizes (slow: callers run it off the
+- `CompletionRequest` and `ChatRequest` are the bodies of `/v1/completions` and
+  `/v1/chat/completions`, validated by FastAPI with strict types (no "12" for an integer, no 1
+  for a boolean, no "NaN" for a number; 16.0 is an integer); unknown fields are ignored.
+  `validation_error(errors)` turns pydantic's errors into one `APIError` 400 naming the
+  parameter (code `invalid_json` for a body that is not JSON).
+- Sampling: temperature in [0, 2], top_p in (0, 1], top_k >= -1 (0 and -1 disable it); NaN and
+  infinities are refused, tiny positive values are valid (`config.SamplingParams` makes a
+  temperature below `MIN_TEMPERATURE` greedy and a top_p below fp32's smallest mass keep the top
+  token). `stop`: up to `MAX_STOP` strings of 1..`MAX_STOP_CHARS` characters. Text must be valid
+  Unicode (an unpaired surrogate, sent as a JSON escape, is a 400, not a tokenizer crash).
+  Parameters this server cannot honour losslessly (penalties, logit bias, logprobs, tools, echo,
+  suffix) are a 400 naming the parameter.
+- `precheck(req, ctx)`: the cheap checks that need the served model: the model name (404), the
+  number of choices, token ids inside the vocabulary, a max_tokens or a prompt text that cannot
+  fit (400 `context_length_exceeded`; `prompt_char_limit` bounds the characters a context holds,
+  so a huge prompt is refused untokenized). `plan(req, ctx)` then tokenizes (slow: run it off the
   event loop) and returns a `ParsedRequest`: one `GenerationRequest` per choice (prompt-major,
-  then the `n` samples of a prompt, as OpenAI numbers choices), the stream flags and the prompt
-  token counts; a prompt over the context, or prompt + max_tokens over it, is 400
-  `context_length_exceeded`. Every error is an `APIError` carrying the HTTP status and OpenAI's
-  body (`{"error": {"message", "type", "param", "code"}}`); messages never echo more than a short
-  prefix of what the client sent.
-- Defaults follow OpenAI: temperature 1, top_p 1; completions default to 16 new tokens, chat to
-  the rest of the context. `top_k` and `ignore_eos` are accepted extensions. A request without
-  `seed` gets a random one; choice j > 0 of a seeded request uses `derive_seed(seed, j)`, so `n`
-  samples differ and a seed reproduces them.
-- `completion_body`, `completion_chunk`, `chat_body`, `chat_chunk` and `usage` build the
-  response objects; `sse(obj)` frames one server-sent event.
+  then the `n` samples of a prompt, as OpenAI numbers choices), stream flags, prompt token counts;
+  a prompt over the context, or prompt + max_tokens over it, is 400 `context_length_exceeded`.
+- Every error is an `APIError` with the HTTP status and OpenAI's body (`{"error": {"message",
+  "type", "param", "code"}}`); a message echoes at most a short prefix of what the client sent.
+- Defaults follow OpenAI: temperature 1, top_p 1; completions 16 new tokens, chat the rest of the
+  context. `top_k` and `ignore_eos` are extensions. Without `seed` a request gets a random one;
+  choice j > 0 of a seeded request uses `derive_seed(seed, j)`, so a seed reproduces `n` samples.
+- `completion_body`, `completion_chunk`, `chat_body`, `chat_chunk`, `usage_chunk` and `usage` build
+  the responses; `sse(obj)` frames one server-sent event.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class ChatMessage(_Body):
 
     @field_validator("content", mode="plain", json_schema_input_type=str | list[TextPart] | None)
     @classmethod
-    def _text(cls, v, info) -> str:
+    def _content(cls, v, info) -> str:
         if v is None and info.data.get("role") == "assistant":
             return ""
         if isinstance(v, list) and all(
@@ -215,9 +215,11 @@ class _Request(_Body):
             raise ValueError("is not supported by this server (decoding is lossless); leave it at 0")
         return v
 
-    @field_validator("logit_bias", "top_logprobs", "tools", "functions")
+    @field_validator(
+        "logit_bias", "top_logprobs", "tools", "functions", "logprobs", "echo", "suffix", check_fields=False
+    )
     @classmethod
-    def _unsupported(cls, v, info):
+    def _unsupported(cls, v):
         if v:
             raise ValueError("is not supported by this server")
         return v
@@ -240,26 +242,12 @@ class CompletionRequest(_Request):
     echo: bool | None = None
     suffix: str | None = None
 
-    @field_validator("logprobs", "echo", "suffix")
-    @classmethod
-    def _unsupported_here(cls, v):
-        if v:
-            raise ValueError("is not supported by this server")
-        return v
-
 
 class ChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: _int(ge=1) | None = None
     max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("is not supported by this server")
-        return v
 
 
 class ErrorDetail(BaseModel):
@@ -269,9 +257,7 @@ class ErrorDetail(BaseModel):
     code: str | None = None
 
 
-class ErrorBody(BaseModel):
-    """Every error answer (documents the OpenAPI schema)."""
-
+class ErrorBody(BaseModel):  # every error answer (documents the OpenAPI schema)
     error: ErrorDetail
 
 
@@ -390,39 +376,29 @@ def precheck(req: CompletionRequest | ChatRequest, ctx: ServeContext) -> None:
     else:
         chars, param = sum(len(m.content) for m in req.messages), "messages"
     if ctx.max_prompt_chars is not None and chars > ctx.max_prompt_chars:
-        raise _bad(
-            f"This model's maximum context length is {ctx.max_model_len} tokens, at most "
-            f"{ctx.max_prompt_chars} characters of text; your prompt has {chars} characters. Shorten it.",
-            param,
-            "context_length_exceeded",
-        )
+        raise _overflow(ctx, f"at most {ctx.max_prompt_chars} characters; your prompt has {chars}.", param)
     max_tokens, param = _max_tokens(req)
     if max_tokens is not None and max_tokens >= ctx.max_model_len:  # a prompt has at least one token
-        raise _bad(
-            f"This model's maximum context length is {ctx.max_model_len} tokens; {param} must be below "
-            f"that (got {_short(max_tokens, 24)}).",
-            param,
-            "context_length_exceeded",
-        )
+        raise _overflow(ctx, f"{param} must be below that (got {_short(max_tokens, 24)}).", param)
+
+
+def _overflow(ctx: ServeContext, detail: str, param: str) -> APIError:
+    msg = f"This model's maximum context length is {ctx.max_model_len} tokens, {detail}"
+    return _bad(msg, param, "context_length_exceeded")
 
 
 def _check_length(n_prompt: int, max_tokens: int | None, ctx: ServeContext, param: str) -> int:
     if n_prompt >= ctx.max_model_len:
-        raise _bad(
-            f"This model's maximum context length is {ctx.max_model_len} tokens; your prompt has "
-            f"{n_prompt} tokens. Shorten the prompt.",
-            "messages" if param == "max_completion_tokens" else "prompt",
-            "context_length_exceeded",
-        )
+        prompt = "messages" if param == "max_completion_tokens" else "prompt"
+        raise _overflow(ctx, f"your prompt has {n_prompt} tokens. Shorten the prompt.", prompt)
     if max_tokens is None:
         return ctx.max_model_len - n_prompt
     if n_prompt + max_tokens > ctx.max_model_len:
-        raise _bad(
-            f"This model's maximum context length is {ctx.max_model_len} tokens; you requested "
-            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
-            f"Lower {param} to at most {ctx.max_model_len - n_prompt} or shorten the prompt.",
+        raise _overflow(
+            ctx,
+            f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+            f"completion). Lower {param} to at most {ctx.max_model_len - n_prompt} or shorten the prompt.",
             param,
-            "context_length_exceeded",
         )
     return max_tokens
 
@@ -490,75 +466,51 @@ def plan(req: CompletionRequest | ChatRequest, ctx: ServeContext) -> ParsedReque
 
 # ---- responses ----------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def _head(p: ParsedRequest, chunk: bool) -> dict:
+    chat = p.kind == "chat"
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{p.id}",
+        "object": obj,
+        "created": p.created,
+        "model": p.model,
     }
 
 
 def completion_body(p: ParsedRequest, choices: list[dict], use: dict) -> dict:
     """choices: [{"index", "text", "finish_reason"}]."""
-    return {
-        "id": f"cmpl-{p.id}",
-        "object": "text_completion",
-        "created": p.created,
-        "model": p.model,
-        "choices": [{**c, "logprobs": None} for c in choices],
-        "usage": use,
-    }
+    return {**_head(p, False), "choices": [{**c, "logprobs": None} for c in choices], "usage": use}
 
 
 def completion_chunk(p: ParsedRequest, index: int, text: str, finish_reason: str | None) -> dict:
-    return {
-        "id": f"cmpl-{p.id}",
-        "object": "text_completion",
-        "created": p.created,
-        "model": p.model,
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**_head(p, True), "choices": [choice]}
 
 
 def chat_body(p: ParsedRequest, choices: list[dict], use: dict) -> dict:
-    return {
-        "id": f"chatcmpl-{p.id}",
-        "object": "chat.completion",
-        "created": p.created,
-        "model": p.model,
-        "choices": [
-            {
-                "index": c["index"],
-                "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": None,
-                "finish_reason": c["finish_reason"],
-            }
-            for c in choices
-        ],
-        "usage": use,
-    }
+    out = [
+        {
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"]},
+            "logprobs": None,
+            "finish_reason": c["finish_reason"],
+        }
+        for c in choices
+    ]
+    return {**_head(p, False), "choices": out, "usage": use}
 
 
 def chat_chunk(p: ParsedRequest, index: int, delta: dict, finish_reason: str | None) -> dict:
-    return {
-        "id": f"chatcmpl-{p.id}",
-        "object": "chat.completion.chunk",
-        "created": p.created,
-        "model": p.model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**_head(p, True), "choices": [choice]}
 
 
 def usage_chunk(p: ParsedRequest, use: dict) -> dict:
-    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-    prefix = "chatcmpl" if p.kind == "chat" else "cmpl"
-    return {
-        "id": f"{prefix}-{p.id}",
-        "object": obj,
-        "created": p.created,
-        "model": p.model,
-        "choices": [],
-        "usage": use,
-    }
+    return {**_head(p, True), "choices": [], "usage": use}
 
 
 def sse(obj) -> str:

@@ -1,31 +1,28 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn) over the serving `Engine`.
 
 Contract:
-- `create_app(engine, ctx, shutdown_grace_s, limits)` serves `POST /v1/completions`,
-  `POST /v1/chat/completions` (server-sent events when `stream` is true, else one JSON body),
-  `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while shutting down) and
-  `GET /metrics` (Prometheus text from `prometheus_client`). The engine starts with the app and
-  is shut down with it. Request bodies are the pydantic models of `protocol`.
-- Order of work per request: body size (8 MiB, `ServerLimits.max_body_bytes`) and body time
-  (`body_timeout_s`) are enforced while the body streams in, chunked or not: 413 / 408 as soon as
-  a limit is passed, without reading further, and the connection is closed. Then JSON and the
-  parameters (pydantic), then `protocol.precheck`; only then tokenization, in a small thread
-  pool off the event loop; then the engine.
-- Every error is an OpenAI error body (`protocol.APIError`): malformed JSON (also nested too
-  deeply or numbers too long), wrong types and impossible values 400, unknown model or route 404,
-  wrong method 405, body too slow 408, body too large 413, queue full 429, shutting down 503, a
-  failure while decoding 500. Error bodies never carry a traceback, an internal exception's text
-  or a local path (`_scrub`); the details go to the server log. One request's error never
-  affects the others.
+- `create_app(engine, ctx, shutdown_grace_s, limits)` serves `POST /v1/completions` and
+  `POST /v1/chat/completions` (server-sent events when `stream` is true, else one JSON body;
+  bodies are `protocol`'s pydantic models), `GET /v1/models[/{id}]`, `GET /health` (503 while
+  shutting down), `GET /metrics` (prometheus_client) and `GET /openapi.json`. The engine starts
+  and stops with the app.
+- Per request, cheapest first: body size (`ServerLimits.max_body_bytes`, 8 MiB) and body time
+  (`body_timeout_s`) while the body streams in, chunked or not (413 / 408 as soon as a limit is
+  passed, nothing more read, connection closed); JSON and parameters (pydantic);
+  `protocol.precheck`; then tokenization in a small thread pool off the event loop; the engine.
+- Errors are OpenAI error bodies: malformed JSON (also too deep or a number too long), wrong types
+  and impossible values 400, unknown model or route 404, wrong method 405, slow body 408, large
+  body 413, queue full 429, shutting down 503, a failure while decoding 500. Their messages never
+  carry a traceback, an internal exception's text or a local path (`_scrub`): details go to the
+  log. One request's error never affects the others.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
   requests aborted, which frees their slots between engine steps.
-- `make_server(...)` is a uvicorn server with per-connection limits: a request head (request
-  line + headers) must arrive within `header_timeout_s` of its first byte (or of the
-  connection's opening), an idle keep-alive connection is closed after `keep_alive_s`, and past
-  `limit_concurrency` open connections or requests uvicorn answers 503 (plain text).
-- `serve(...)` builds the engine from a target and a method (`build_engine`) and runs uvicorn;
-  SIGINT/SIGTERM first make the engine refuse new requests (503), then in-flight requests get
-  up to `shutdown_grace_s` to finish before they are cancelled.
+- `make_server(...)`: uvicorn with per-connection limits: a request head must arrive within
+  `header_timeout_s` of its first byte (or of the connection's opening), an idle keep-alive
+  connection closes after `keep_alive_s`, past `limit_concurrency` open connections or requests
+  uvicorn answers 503 (plain text). SIGINT/SIGTERM first make the engine refuse new requests
+  (503), then in-flight requests get `shutdown_grace_s` to finish before they are cancelled.
+- `serve(...)` builds the engine (`build_engine`) and runs the server until SIGINT / SIGTERM.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
@@ -91,7 +88,7 @@ class ServerLimits:
 
 # Absolute paths under the usual roots (a model directory, a cache, a traceback's file names).
 _PATH = re.compile(
-    r"(?:[A-Za-z]:\\|~/|/(?:home|root|work|tmp|usr|opt|var|etc|mnt|srv|Users|private|data)/)\S*"
+    r"(?:[A-Za-z]:\\|~/|/(?:home|root|work|tmp|usr|opt|var|etc|mnt|srv|Users|data)/)[^\s\"'<>]*"
 )
 
 
@@ -168,7 +165,6 @@ def create_app(
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = _openapi(app, ctx)
     metrics = engine.metrics
-    created = int(time.time())
 
     def error_response(e: APIError) -> JSONResponse:
         kind = e.code or e.type
@@ -217,14 +213,8 @@ def create_app(
         log.exception("unhandled error")
         return error_response(APIError(500, "internal error; see the server log", code="internal_error"))
 
-    def model_card() -> dict:
-        return {
-            "id": ctx.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "specdecode",
-            "max_model_len": ctx.max_model_len,
-        }
+    card = {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "specdecode"}
+    card["max_model_len"] = ctx.max_model_len
 
     def errors(*codes) -> dict:
         return {c: {"model": ErrorBody, "description": ERRORS[c]} for c in codes}
@@ -241,13 +231,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def get_model(model_id: str):
         if model_id not in ctx.names:
             raise APIError(404, "The model does not exist (GET /v1/models)", "model", "model_not_found")
-        return model_card()
+        return card
 
     @app.post("/v1/completions", responses=errors(*ERRORS) | STREAM)
     async def completions(body: CompletionRequest, request: Request):
@@ -489,11 +479,8 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _head_timeout_protocol(timeout_s: float):
-    """uvicorn's HTTP protocol, plus a deadline on each request head (slow-header clients).
-
-    uvicorn bounds an idle keep-alive connection but not a connection that sends nothing, nor a
-    head that trickles in; this closes such a connection (with a 408) `timeout_s` after it opened
-    or after the head's first byte."""
+    """uvicorn's HTTP protocol plus a deadline on each request head: uvicorn bounds an idle
+    keep-alive connection, not one that sends nothing or trickles its head in."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class HeadTimeoutProtocol(AutoHTTPProtocol):
