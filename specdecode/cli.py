@@ -150,9 +150,13 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--data", required=True, help="prompt set directory from `specdecode data build`")
     dr.add_argument("--out", required=True, help="directory for train.jsonl, heldout.jsonl, meta.json")
     dr.add_argument("--max-new-tokens", type=int, default=256)
-    dr.add_argument("--temperature", type=float, default=0.0)
+    dr.add_argument(
+        "--temperature", type=float, default=None,
+        help="default: the target's usual temperature (its generation config, else 0.7); 0 = greedy",
+    )  # fmt: skip
     dr.add_argument("--top-p", type=float, default=1.0)
-    dr.add_argument("--batch-size", type=int, default=16)
+    dr.add_argument("--batch-size", type=int, default=32, help="answers decoded at once")
+    dr.add_argument("--samples", type=int, default=1, help="answers per prompt, each with its own seed")
     dr.add_argument("--limit", type=int, default=None, help="first N prompts of each split")
     dr.add_argument("--splits", default="train,heldout")
     dr.add_argument("--seed", type=int, default=0)
@@ -405,11 +409,15 @@ def _cmd_data(a) -> None:
             temperature=a.temperature,
             top_p=a.top_p,
             batch_size=a.batch_size,
+            samples=a.samples,
             limit=a.limit,
             seed=a.seed,
             overwrite=a.overwrite,
         )
-        print(f"wrote {out}")
+        print(
+            f"wrote {a.out}: {out['answers']} answers, {out['tokens']} tokens in {out['seconds']:.0f} s "
+            f"({out['tokens_per_s']:.0f} tokens/s); {out['skipped_prompts']} prompts too long were skipped"
+        )
         return
     from specdecode.training.prompts import write_prompt_set
 

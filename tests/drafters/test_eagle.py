@@ -115,3 +115,20 @@ def test_feature_cache_matches_online_features(tiny, regen_dir, tmp_path):
     torch.testing.assert_close(sub(batch)[-1], cached[-1])
     with pytest.raises(SpecDecodeError, match="another target"):
         FeatureCache(tmp_path / "fc", tiny, (0,)).build(seqs[:3], progress=False)
+
+
+def test_regen_samples_several_answers_with_continuous_batching(tiny, prompts_dir, tmp_path):
+    """samples=2 writes p and p#1 with their own seeds; the answers do not depend on how many
+    requests share the batch (continuous batching refills freed slots at once)."""
+    kw = dict(splits=("heldout",), max_new_tokens=16, temperature=1.0, samples=2, progress=False)
+    wide = regenerate(tiny, prompts_dir, tmp_path / "wide", batch_size=3, **kw)
+    narrow = regenerate(tiny, prompts_dir, tmp_path / "narrow", batch_size=1, **kw)
+    assert wide["answers"] == narrow["answers"] == 8 and wide["tokens"] > 0 and wide["tokens_per_s"] > 0
+    a, b = read_regen(tmp_path / "wide", "heldout"), read_regen(tmp_path / "narrow", "heldout")
+    ids = sorted(r["id"] for r in a)
+    assert ids == sorted(f"heldout/{i}{s}" for i in range(4) for s in ("", "#1"))
+    assert {r["id"]: r["input_ids"] for r in a} == {r["id"]: r["input_ids"] for r in b}
+    by_id = {r["id"]: r["input_ids"] for r in a}
+    assert any(by_id[f"heldout/{i}"] != by_id[f"heldout/{i}#1"] for i in range(4))  # own seeds
+    again = regenerate(tiny, prompts_dir, tmp_path / "wide", batch_size=3, **kw)  # all done: no work
+    assert again["answers"] == 0
