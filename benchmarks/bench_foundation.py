@@ -79,10 +79,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"])
+    ap.add_argument("--peer-dtype", default="bf16", choices=["bf16", "fp32"], help="transformers' dtype")
     ap.add_argument("--out", required=True, help="output path prefix (writes .md and .json)")
     a = ap.parse_args()
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if a.peer_dtype == "bf16" else torch.float32
     methods = [m for m in a.methods.split(",") if m]
     peers = [p for p in a.peers.split(",") if p]
 
@@ -137,7 +138,7 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
-    Path(f"{out}.md").write_text(report(a, rows, list(runners)))
+    Path(f"{out}.md").write_text(report(a, rows, list(runners), target.model.info.format or a.dtype))
     print(Path(f"{out}.md").read_text())
 
 
@@ -151,17 +152,18 @@ def _cpu_name() -> str:
     return f"{name} ({flags})"
 
 
-def report(a, rows: list[dict], names: list[str]) -> str:
+def report(a, rows: list[dict], names: list[str], formats: str) -> str:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = [
         f"# Foundation benchmark: {a.target}" + (f" (drafter {a.drafter})" if a.drafter else ""),
         "",
-        f"Greedy, {a.max_new_tokens} new tokens max, {a.dtype}, CPU ({torch.get_num_threads()} threads), "
+        f"Greedy, {a.max_new_tokens} new tokens max, ours --dtype {a.dtype} (formats: "
+        f"{formats}), transformers {a.peer_dtype}, CPU ({torch.get_num_threads()} threads), "
         f"chat template, first {a.limit} prompts per set, {a.repeats} repeat(s). Decode tokens/s "
         "excludes prefill (transformers: total minus a separately timed 1-token generate); end-to-end "
         "includes it. Speed-up = median over prompts of (method decode tok/s / our ar decode tok/s) for "
         "the same prompt and repeat. `hf*` rows are transformers `generate` (plain, assisted with the "
-        "same draft model, prompt lookup with 10 tokens), same dtype, same process. Machine: "
+        "same draft model, prompt lookup with 10 tokens), same process. Machine: "
         f"{_cpu_name()}.",
         "",
         f"Command: `python benchmarks/bench_foundation.py {' '.join(sys.argv[1:])}`",

@@ -248,6 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list or install the offline models and prompt sets")
     msub = m.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="list aliases and prompt sets")
+    fm = msub.add_parser("formats", help="the weight formats --dtype auto measured for a model here")
+    fm.add_argument("name", help="model alias, HF directory or hub id")
+    fm.add_argument("--remeasure", action="store_true", help="forget cached measurements and measure again")
     inst = msub.add_parser("install", help="install a model alias or a prompt set")
     inst.add_argument("name")
     inst.add_argument("--force", action="store_true", help="re-install even if present")
@@ -555,6 +558,22 @@ def _cmd_models(a) -> None:
             print(f"{'':31} size: {row.get('size', '?')}")
         print("\nprompt sets:", ", ".join(assets.PROMPT_SETS))
         print("Any local Hugging Face model directory or hub id works wherever a model is taken.")
+        return
+    if a.models_command == "formats":
+        from specdecode.models.formats import BUCKETS
+        from specdecode.models.loader import load_model
+
+        if a.remeasure:
+            import shutil
+
+            shutil.rmtree(assets.cache_dir() / "formats", ignore_errors=True)
+        rec = load_model(a.name, dtype="auto", device="cpu").model.format_record
+        print(f"plan: {rec.get('name', '?')}   ({rec.get('cpu', '?')}, {rec.get('capability', '?')}, "
+              f"{rec.get('threads', '?')} threads)")  # fmt: skip
+        head = "".join(f"{'M=' + str(m):>9}" for m in BUCKETS)
+        print(f"{'kernel':14}{head}   (ms for one forward's products)")
+        for k, row in rec.get("ms_per_forward", {}).items():
+            print(f"{k:14}" + "".join(f"{'-' if v is None else f'{v:.1f}':>9}" for v in row))
         return
     if a.name in assets.PROMPT_SETS:
         print(assets.ensure_prompt_set(a.name))

@@ -31,7 +31,6 @@ import bisect
 import hashlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -227,10 +226,11 @@ def measure_kernels(
     buckets: Sequence[int] = BUCKETS,
     repeats: int = 5,
 ) -> dict[str, list[float | None]]:
-    """Median ms of one forward's products per kernel and bucket (None: refused here).
+    """Fastest ms of one forward's products per kernel and bucket (None: refused here).
 
     `_MEASURE_LAYERS` layers of random weights are timed and scaled to `num_layers`; the head
-    is timed once. Candidates are interleaved within each repeat so machine noise hits all alike.
+    is timed once. Candidates are interleaved within each repeat so machine noise hits all
+    alike, and the minimum over repeats is kept: interference only ever adds time.
     """
     gen = torch.Generator().manual_seed(0)
     layers = [[torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes] for _ in range(_MEASURE_LAYERS)]
@@ -265,7 +265,7 @@ def measure_kernels(
                 if r:  # the first round warms up
                     times[k].append(((t1 - t0) * scale + (t2 - t1)) * 1e3)
         for k, ts in times.items():
-            out[k][bi] = statistics.median(ts)
+            out[k][bi] = min(ts)
     return out
 
 
@@ -314,6 +314,7 @@ def auto_plan(
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "load_average": os.getloadavg()[0],  # other work running while this was measured
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -142,7 +142,7 @@ def _plan(fmt: str, model):
         (s.hidden_size, s.intermediate_size),
     ]
     head = tuple(model.lm_head_weight().shape)
-    plan, _ = formats.auto_plan(shapes, head, s.num_layers, model.info.device)
+    plan, model.format_record = formats.auto_plan(shapes, head, s.num_layers, model.info.device)
     return plan
 
 

@@ -202,6 +202,7 @@ class NativeDecoder(nn.Module):
         )
         self._ensure_rope(min(spec.max_position, 8192))
         self.plan = forced_plan("bf16" if dtype == torch.bfloat16 else "fp32", device)  # see use_formats
+        self.format_record: dict = {}  # what --dtype auto measured (models/formats.py), if it ran
         self._refresh()
 
     # -- construction ---------------------------------------------------------------------------

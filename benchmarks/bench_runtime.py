@@ -1,0 +1,216 @@
+"""Runtime benchmark: where a target step's time goes, per weight format, on this machine.
+
+For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4) the target is
+loaded and measured in one process, formats interleaved per repeat so that machine noise hits
+them alike:
+- T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
+  and T(8)/T(1), the price of verifying 7 drafts;
+- the split of T(1) and T(8) into matrix products, attention and everything else
+  (torch.profiler self CPU time by op name);
+- the bandwidth ceiling of the format: bytes the products read per one-token step / memory
+  bandwidth measured here (a large copy), and T(1) as a fraction of it.
+Writes `<out>/report.md` and `<out>/results.json`.
+
+    python benchmarks/bench_runtime.py --target smollm2-135m --out benchmarks/results/runtime-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.models.loader import load_model
+
+CONTEXT = 256
+BLOCKS = (1, 2, 4, 8, 16)
+MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weight_int8pack_mm",
+              "_weight_int4pack_mm_for_cpu", "matmul", "bmm")  # fmt: skip
+ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention")
+
+
+def _bandwidth_gbs() -> float:
+    """Read bandwidth: best of 5 sums over a 512 MB tensor."""
+    x = torch.ones(128 * 2**20)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def _weight_bytes(model) -> int:
+    """Bytes the products of one one-token step read: each Linear's M = 1 copy."""
+    total = 0
+    for layer in model._flat:
+        for lin in (layer[1], layer[3], layer[5], layer[6]):
+            total += _product_bytes(lin)
+    return total + _product_bytes(model._head)
+
+
+def _product_bytes(lin) -> int:
+    fn = lin._by_bucket[0]
+    cells = [c.cell_contents for c in (fn.__closure__ or ()) if isinstance(c.cell_contents, torch.Tensor)]
+    # The weight is the largest tensor the product closes over (scales and biases are small).
+    w = max(cells, key=lambda t: t.numel() * t.element_size(), default=None)
+    return 0 if w is None else w.numel() * w.element_size()
+
+
+def _setup(model):
+    cache = model.new_cache(1, CONTEXT + max(BLOCKS) + 2)
+    ids = torch.randint(0, 1000, (1, CONTEXT + max(BLOCKS)), generator=torch.Generator().manual_seed(0))
+    model.forward(ids[:, :CONTEXT], None, cache, [0], logits=False)
+    cache.commit(0, CONTEXT)
+    return cache, ids
+
+
+def _forward_ms(model, cache, ids, n: int) -> float:
+    x = ids[:, CONTEXT : CONTEXT + n]
+    t0 = time.perf_counter()
+    model.forward(x, None, cache, [0])
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _split(model, cache, ids, n: int, reps: int = 5) -> dict:
+    """Self CPU ms per forward in products / attention / other (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = ids[:, CONTEXT : CONTEXT + n]
+    model.forward(x, None, cache, [0])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model.forward(x, None, cache, [0])
+        wall = (time.perf_counter() - t0) * 1e3 / reps
+    out = {"products": 0.0, "attention": 0.0, "other ops": 0.0}
+    for ev in prof.key_averages():
+        name = ev.key.split("::")[-1]
+        ms = ev.self_cpu_time_total / 1e3 / reps
+        if name in MATMUL_OPS:
+            out["products"] += ms
+        elif any(a in name for a in ATTENTION_OPS):
+            out["attention"] += ms
+        else:
+            out["other ops"] += ms
+    ops = sum(out.values())
+    out["python and dispatch"] = max(wall - ops, 0.0)
+    out["wall (profiled)"] = wall
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--formats", default="auto,bf16,fp32,int8,int4")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    names = [f for f in a.formats.split(",") if f]
+    models = {f: load_model(a.target, dtype=f, device="cpu").model for f in names}
+    state = {f: _setup(m) for f, m in models.items()}
+    times = {f: {n: [] for n in BLOCKS} for f in names}
+    with torch.inference_mode():
+        for f, m in models.items():  # warm-up
+            for n in BLOCKS:
+                _forward_ms(m, *state[f], n)
+        for _ in range(a.repeats):
+            for n in BLOCKS:
+                for f, m in models.items():
+                    times[f][n].append(_forward_ms(m, *state[f], n))
+        splits = {f: {n: _split(m, *state[f], n) for n in (1, 8)} for f, m in models.items()}
+    bw = _bandwidth_gbs()
+    res = {}
+    for f, m in models.items():
+        med = {n: statistics.median(v) for n, v in times[f].items()}
+        gb = _weight_bytes(m) / 1e9
+        res[f] = {
+            "formats": m.info.format,
+            "act_dtype": str(m.info.dtype),
+            "forward_ms": med,
+            "t8_over_t1": med[8] / med[1],
+            "weight_gb_per_step": gb,
+            "ceiling_ms": gb / bw * 1e3,
+            "fraction_of_ceiling": (gb / bw * 1e3) / med[1],
+            "split_ms": splits[f],
+            "auto_record": getattr(m, "format_record", {}),
+        }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": a.target, "bandwidth_gbs": bw, "threads": torch.get_num_threads(),
+            "cpu": _cpu(), "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"meta": meta, "formats": res}, indent=1))
+    (out / "report.md").write_text(report(meta, res))
+    print((out / "report.md").read_text())
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({torch.backends.cpu.get_cpu_capability()})"
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def report(meta: dict, res: dict) -> str:
+    lines = [
+        f"# Runtime: where a target step goes ({meta['target']})",
+        "",
+        f"Machine: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; read bandwidth "
+        f"measured here {meta['bandwidth_gbs']:.1f} GB/s. One forward of N new tokens, batch 1, over a "
+        f"{CONTEXT}-token cache; medians, formats interleaved per repeat.",
+        "",
+        f"Command: `python {meta['command']}`",
+        "",
+        "| --dtype | products run as | " + " | ".join(f"T({n}) ms" for n in BLOCKS)
+        + " | T(8)/T(1) | weights read per step | bandwidth ceiling | T(1) at ceiling |",
+        "|---|---|" + "---|" * (len(BLOCKS) + 4),
+    ]
+    for f, r in res.items():
+        ms = " | ".join(f"{r['forward_ms'][n]:.1f}" for n in BLOCKS)
+        lines.append(
+            f"| {f} | {r['formats']} | {ms} | {r['t8_over_t1']:.2f} | "
+            f"{r['weight_gb_per_step'] * 1e3:.0f} MB | {r['ceiling_ms']:.1f} ms | {r['fraction_of_ceiling']:.2f} |"
+        )
+    lines += [
+        "",
+        "Where the time goes (torch.profiler self CPU time per forward, ms; N = 1 and N = 8):",
+        "",
+        "| --dtype | N | products | attention | other ops | python and dispatch | wall (profiled) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f, r in res.items():
+        for n, sp in r["split_ms"].items():
+            lines.append(
+                f"| {f} | {n} | {sp['products']:.1f} | {sp['attention']:.1f} | {sp['other ops']:.1f} | "
+                f"{sp['python and dispatch']:.1f} | {sp['wall (profiled)']:.1f} |"
+            )
+    auto = res.get("auto", {}).get("auto_record", {})
+    if auto.get("ms_per_forward"):
+        from specdecode.models.formats import BUCKETS
+
+        lines += [
+            "",
+            f"What `--dtype auto` measured (ms for one forward's products; plan: {auto.get('name')}):",
+            "",
+            "| kernel | " + " | ".join(f"M={m}" for m in BUCKETS) + " |",
+            "|---|" + "---|" * len(BUCKETS),
+        ]
+        for k, row in auto["ms_per_forward"].items():
+            cells = " | ".join("refused" if v is None else f"{v:.1f}" for v in row)
+            lines.append(f"| {k} | {cells} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
