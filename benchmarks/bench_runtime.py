@@ -179,7 +179,8 @@ def report(meta: dict, res: dict) -> str:
         ms = " | ".join(f"{r['forward_ms'][n]:.1f}" for n in BLOCKS)
         lines.append(
             f"| {f} | {r['formats']} | {ms} | {r['t8_over_t1']:.2f} | "
-            f"{r['weight_gb_per_step'] * 1e3:.0f} MB | {r['ceiling_ms']:.1f} ms | {r['fraction_of_ceiling']:.2f} |"
+            f"{r['weight_gb_per_step'] * 1e3:.0f} MB | {r['ceiling_ms']:.1f} ms | "
+            f"{r['fraction_of_ceiling']:.2f} |"
         )
     lines += [
         "",
