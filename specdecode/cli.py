@@ -145,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     db.add_argument("--heldout-fraction", type=float, default=0.05)
     db.add_argument("--seed", type=int, default=0)
     db.add_argument("--overwrite", action="store_true")
+    pk = dsub.add_parser("pack", help="compress regenerated data into one committable file (uint16 ids)")
+    pk.add_argument("--data", required=True, help="directory from `specdecode data regen`")
+    pk.add_argument("--out", required=True, help="output .npz file")
+    upk = dsub.add_parser("unpack", help="write a packed file back as a regen directory for training")
+    upk.add_argument("file", help=".npz file from `specdecode data pack`")
+    upk.add_argument("--out", required=True, help="regen directory to write")
     dr = dsub.add_parser("regen", help="let the target write the responses of a prompt set (resumable)")
     dr.add_argument("--target", required=True, help="model alias, HF directory or hub id")
     dr.add_argument("--data", required=True, help="prompt set directory from `specdecode data build`")
@@ -398,6 +404,14 @@ def _cmd_bench(a) -> None:
 def _cmd_data(a) -> None:
     import json as _json
 
+    if a.data_command in ("pack", "unpack"):
+        from specdecode.training.packed import pack_regen, unpack_regen
+
+        counts = pack_regen(a.data, a.out) if a.data_command == "pack" else unpack_regen(a.file, a.out)
+        for split, c in counts.items():
+            print(f"{split}: {c['records']} records, {c['tokens']} tokens")
+        print(f"wrote {a.out}")
+        return
     if a.data_command == "regen":
         from specdecode.models.loader import load_model
         from specdecode.training.regen import regenerate

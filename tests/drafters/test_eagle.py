@@ -132,3 +132,25 @@ def test_regen_samples_several_answers_with_continuous_batching(tiny, prompts_di
     assert any(by_id[f"heldout/{i}"] != by_id[f"heldout/{i}#1"] for i in range(4))  # own seeds
     again = regenerate(tiny, prompts_dir, tmp_path / "wide", batch_size=3, **kw)  # all done: no work
     assert again["answers"] == 0
+
+
+def test_packed_regen_round_trips(regen_dir, tmp_path):
+    from specdecode.cli import main
+    from specdecode.training.packed import pack_regen, unpack_regen
+
+    counts = pack_regen(regen_dir, tmp_path / "regen.npz")
+    assert counts["train"]["records"] == 48
+    assert main(["data", "unpack", str(tmp_path / "regen.npz"), "--out", str(tmp_path / "back")]) == 0
+    for split in ("train", "heldout"):
+        assert read_regen(tmp_path / "back", split) == read_regen(regen_dir, split)
+    assert (tmp_path / "back" / "meta.json").read_text() == (regen_dir / "meta.json").read_text()
+    ids = sum(len(r["input_ids"]) for r in read_regen(regen_dir, "train"))
+    assert (tmp_path / "regen.npz").stat().st_size < 2 * ids  # at most 2 bytes a token, compressed
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "meta.json").write_text("{}")
+    (bad / "train.jsonl").write_text(json.dumps({"id": "x", "input_ids": [1, 2], "loss_mask": [1, 0]}) + "\n")
+    with pytest.raises(SpecDecodeError, match="loss mask"):
+        pack_regen(bad, tmp_path / "bad.npz")
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        unpack_regen(tmp_path / "missing.npz", tmp_path / "x")
