@@ -257,6 +257,8 @@ class SpeculativeDecoder:
                 self._running.append(r)
             if budget is not None and budget <= 0:
                 break
+        # Rows in slot order: a full batch reads the cache as one contiguous range (no copies).
+        self._running.sort(key=lambda r: r.slot)
         stats.prefill_s = time.perf_counter() - t0
         if not self._running:
             return []

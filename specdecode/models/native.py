@@ -45,6 +45,7 @@ from specdecode.models.formats import FormatPlan, Linear, forced_plan
 from specdecode.models.kv_cache import KVCache
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+WINDOW_FACTOR = 2  # attend over a slot range in place while it holds at most this many slots per row
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,10 @@ class _Plan:
     v_src: tuple | None = None
     k_span: tuple | None = None  # layer -> [S, Hk, span, D], gathered by slot_idx
     v_span: tuple | None = None
+    # Window mode: attention runs over the contiguous slot range [lo, lo + R) read in place
+    # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
+    window: torch.Tensor | None = None  # [B] long: row of each request in the range
+    window_size: int = 0  # R
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -389,7 +394,11 @@ class NativeDecoder(nn.Module):
             q = q.view(B, Hk, G, D)
         else:
             q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask)  # [B, Hk, G*N, D]
+        if plan.window is None:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask)  # [B, Hk, G*N, D]
+        else:  # the slots' range in place: a few dummy queries instead of copying every K/V row
+            qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
+            o = F.scaled_dot_product_attention(qw, keys, values, attn_mask=plan.mask)[plan.window]
         if N == 1:
             o = o.view(B, H * D)
         else:
@@ -436,14 +445,25 @@ class NativeDecoder(nn.Module):
             plan.rows = (lens_t.unsqueeze(1) + torch.arange(N, device=dev)).clamp_(max=cache.scratch_row)
             full = kv.transpose(-2, -3)  # [2, layers, S, R, Hk, D]
             plan.k_all, plan.v_all = full[0].unbind(0), full[1].unbind(0)
+        lo, hi = min(slot_list), max(slot_list)
         if contiguous:
             src = kv[:, :, slot_list[0] : slot_list[0] + B, :, :span]  # [2, layers, B, Hk, span, D]
             plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+        elif hi - lo + 1 <= WINDOW_FACTOR * B:
+            # Reading the slots' range in place (with dummy queries for the gaps) beats copying
+            # every row of every layer's K/V (index_select) unless the range is mostly gaps.
+            src = kv[:, :, lo : hi + 1, :, :span]  # [2, layers, R, Hk, span, D]
+            plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+            plan.window = torch.tensor([x - lo for x in slot_list], device=dev)
+            plan.window_size = hi - lo + 1
         else:
             src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D]
             plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
         if not (N == 1 and uniform and tree_mask is None):
             plan.mask = self._mask(B, N, span, torch.tensor(lens, device=dev), counts, tree_mask, dev)
+            if plan.window is not None:  # dummy rows see everything: finite garbage, never used
+                full = torch.ones(plan.window_size, *plan.mask.shape[1:], dtype=torch.bool, device=dev)
+                plan.mask = full.index_copy_(0, plan.window, plan.mask)
         return plan
 
     def _mask(self, B, N, span, lens_t, counts, tree_mask, dev) -> torch.Tensor:

@@ -128,12 +128,13 @@ def test_tree_block_equals_its_paths_as_chains(kind, request):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_ragged_batch_equals_single_requests(kind, request):
+@pytest.mark.parametrize(("num_slots", "slots"), [(4, [3, 0, 1]), (8, [7, 0, 2])])  # in place; gathered
+def test_ragged_batch_equals_single_requests(kind, request, num_slots, slots):
     model = _load(request.getfixturevalue(kind))
-    prompt_lens, new_counts, slots = [5, 9, 3], [4, 1, 3], [3, 0, 1]  # non-contiguous slots
+    prompt_lens, new_counts = [5, 9, 3], [4, 1, 3]  # non-contiguous slots
     prompts = [_ids(n, seed=10 + i) for i, n in enumerate(prompt_lens)]
     blocks = [_ids(4, seed=20 + i) for i in range(3)]
-    batch_cache = model.new_cache(4, 32)
+    batch_cache = model.new_cache(num_slots, 32)
     for p, s in zip(prompts, slots, strict=True):
         model.prefill(p, batch_cache, [s])
     ids = torch.cat(blocks)  # [3, 4] (right padding = whatever the block holds past num_new)
@@ -150,7 +151,7 @@ def test_ragged_batch_equals_single_requests(kind, request):
     # After committing different amounts, a contiguous batched decode step still matches.
     for b, s in enumerate(slots):
         batch_cache.commit(s, new_counts[b])
-    order = [0, 1]  # slots 0 and 1: a contiguous range read through views, different lengths
+    order = [0, slots[2]]  # [0, 1] a contiguous range read through views; [0, 2] a range with a gap
     step = torch.tensor([[7], [8]])
     out2 = model.forward(step, None, batch_cache, order)
     for row, s in enumerate(order):
@@ -197,7 +198,9 @@ def test_decode_step_plan_is_lean(tiny_llama_dir):
     plan = model._plan(2, 1, cache, [1, 2], None, None)
     assert plan.mask is None and plan.s0 == 1 and plan.k_dst is not None  # views, no mask
     plan = model._plan(2, 1, cache, [2, 1], None, None)
-    assert plan.s0 is None  # a non-contiguous order gathers
+    assert plan.s0 is None and plan.window.tolist() == [1, 0] and plan.k_span is None  # read in place
+    plan = model._plan(2, 1, model.new_cache(8, 16), [0, 7], None, None)
+    assert plan.window is None and plan.k_span is not None  # a range of mostly gaps gathers
 
 
 def test_overflow_and_bad_capture(tiny_llama_dir):
