@@ -78,12 +78,13 @@ class ServerLimits:
     tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "limit_concurrency", "tokenizer_threads"):
-            if getattr(self, name) < 1:
-                raise SpecDecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("body_timeout_s", "header_timeout_s", "keep_alive_s"):
-            if not getattr(self, name) > 0:
-                raise SpecDecodeError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        flags = {"limit_concurrency": "--limit-concurrency", "body_timeout_s": "--timeout-body",
+                 "header_timeout_s": "--timeout-header", "keep_alive_s": "--timeout-keep-alive"}  # fmt: skip
+        for name, lo in [("max_body_bytes", 1), ("limit_concurrency", 1), ("tokenizer_threads", 1),
+                         ("body_timeout_s", 0), ("header_timeout_s", 0), ("keep_alive_s", 0)]:  # fmt: skip
+            v = getattr(self, name)
+            if not (v >= lo if lo else v > 0):
+                raise SpecDecodeError(f"{flags.get(name, name)} must be {'>= 1' if lo else '> 0'}, got {v}")
 
 
 # Absolute paths under the usual roots (a model directory, a cache, a traceback's file names).
