@@ -76,8 +76,11 @@ def test_sharded_and_bin_checkpoints(tiny_llama_dir, tmp_path):
 
 
 def test_bf16_and_non_native(tiny_qwen3_dir, tiny_gpt2_dir):
-    lm = load_model(str(tiny_qwen3_dir), device="cpu")  # default dtype: bf16
+    lm = load_model(str(tiny_qwen3_dir), dtype="bf16", device="cpu")
     assert lm.model.info.dtype == torch.bfloat16
+    auto = load_model(str(tiny_qwen3_dir), device="cpu")  # default: the measured formats
+    plan = auto.model.plan
+    assert auto.model.info.format == plan.name and auto.model.info.dtype == plan.act_dtype
     out = _logits(lm)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     g = load_model(str(tiny_gpt2_dir), dtype="bf16", device="cpu")
