@@ -390,16 +390,17 @@ class SpeculativeDecoder:
     def _isolate_failures(self, running: list[RunningRequest], prop: Proposal, logits: torch.Tensor):
         """Mark rows with non-finite target logits or draft probabilities as failed, and give them
         harmless numbers so the batch's verification runs on (their output is discarded)."""
-        ok = finite_rows(logits[..., : self.vocab_size])  # [B]
+        ok_p = finite_rows(logits[..., : self.vocab_size])  # [B]
         q = prop.draft_probs  # [B, K, V] or None
+        ok_q = torch.ones_like(ok_p)  # [B]
         if q is not None and q.shape[1] > 0:
-            ok_q = torch.isfinite(q).flatten(1).all(dim=1).to(ok.device)  # [B]
-            ok = ok & ok_q
+            ok_q = torch.isfinite(q).flatten(1).all(dim=1).to(ok_p.device)
+        ok = ok_p & ok_q
         if bool(ok.all()):
             return prop, logits
         bad = ~ok  # [B]
         for b in bad.nonzero().flatten().tolist():
-            what = "draft probabilities" if q is not None and not bool(ok_q[b]) else "target logits"
+            what = "target logits" if not bool(ok_p[b]) else "draft probabilities"
             running[b].error = (
                 f"the {what} for this request were not finite (NaN or inf) at output position "
                 f"{len(running[b].output_ids)}; the request was ended, its neighbours were not affected"
