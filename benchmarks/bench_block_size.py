@@ -25,7 +25,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters import build_drafter
 from specdecode.drafters.base import DraftRow
 from specdecode.models.loader import load_model
-from specdecode.profile import measure_step_costs
+from specdecode.policy.profile import measure_step_costs
 from specdecode.training.features import TargetFeatures
 
 

@@ -72,7 +72,7 @@ def _sps_table(settings: dict) -> list[str]:
     scheduled = [m for m in settings["methods"] if METHODS[m][1].startswith("scheduled")]
     if not scheduled:
         return []
-    from specdecode.engine.scheduler import StepCostModel
+    from specdecode.policy import StepCostModel
     from specdecode.models.loader import load_model
 
     k = METHODS[scheduled[0]][2]

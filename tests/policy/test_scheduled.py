@@ -13,10 +13,10 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.engine.scheduler import ConfidenceScheduler, StepCostModel
+from specdecode.policy import ConfidenceScheduler, StepCostModel
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK, PolicyState
-from specdecode.profile import batch_step_costs
+from specdecode.policy.profile import batch_step_costs
 
 
 class GreedySelfDrafter(DraftModelDrafter):

@@ -1,7 +1,7 @@
 import json
 
 from specdecode.models.loader import load_model
-from specdecode.profile import measure_step_costs, step_costs
+from specdecode.policy.profile import measure_step_costs, step_costs
 
 
 def test_step_costs_are_measured_once_and_cached(tiny_llama_dir, tmp_path, monkeypatch):

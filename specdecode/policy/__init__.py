@@ -1,0 +1,56 @@
+"""Draft-length policies: fixed, adaptive and scheduled, behind one interface (`base.py`).
+
+Contract: `make_policy(name, k, ...)` builds the policy named by `--policy` (one of `POLICIES`);
+the step-cost measurements the adaptive and scheduled policies read live in `profile.py`
+(`step_costs`, `batch_step_costs`) and `costs.py` (`StepCostModel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdecode.errors import SpecDecodeError
+from specdecode.policy.adaptive import AdaptiveK
+from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
+from specdecode.policy.costs import StepCostModel
+from specdecode.policy.fixed import FixedK
+from specdecode.policy.profile import batch_step_costs, measure_step_costs, step_costs
+from specdecode.policy.scheduled import ConfidenceScheduler
+
+__all__ = [
+    "POLICIES",
+    "AdaptiveK",
+    "ConfidenceScheduler",
+    "DraftPolicy",
+    "FixedK",
+    "PolicyState",
+    "StepCostModel",
+    "batch_step_costs",
+    "expected_tau",
+    "make_policy",
+    "measure_step_costs",
+    "step_costs",
+]
+POLICIES = ("fixed", "adaptive", "scheduled", "scheduled-production")
+
+
+def make_policy(
+    name: str,
+    k: int,
+    draft_cost: float = 0.0,
+    verify_cost: float | Sequence[float] = 0.03,
+    step_cost=None,
+    online: bool = False,
+) -> DraftPolicy:
+    """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
+    online: the scheduled policies correct that profile and the drafting cost from measured steps."""
+    if name == "fixed":
+        return FixedK(k)
+    if name == "adaptive":
+        return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost)
+    if name in ("scheduled", "scheduled-production"):
+        if step_cost is None:
+            raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")
+        variant = "production" if name == "scheduled-production" else "exact"
+        return ConfidenceScheduler(k, step_cost, draft_cost=draft_cost, variant=variant, online=online)
+    raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: {', '.join(POLICIES)}")
