@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import specdecode
-from specdecode.assets import load_prompt_set
 from specdecode.bench.harness import TransformersPeer
+from specdecode.datasets import load_prompt_set
 from specdecode.models.loader import load_model
 
 

@@ -26,7 +26,7 @@ import torch
 
 
 def _humaneval_seqs(tokenizer, limit: int):
-    from specdecode.assets import load_prompt_set
+    from specdecode.datasets import load_prompt_set
     from specdecode.training.data import Sequence
 
     seqs = []

@@ -4,7 +4,7 @@ For each method (default: `ar`; n-gram with a fixed K; n-gram with the confidenc
 server is started as a child process (same target, dtype, max batch and context), warmed up;
 then each level drives every server in turn (alternating order, so background load drifts hit
 all methods alike) over loopback with `concurrency` streaming chat clients at 1, 2, 4, 8, 16, 32,
-with real prompts from the benchmark datasets (specdecode/bench/datasets.py), `ignore_eos` so
+with real prompts from the benchmark datasets (specdecode/datasets/categories.py), `ignore_eos` so
 every request generates `--max-tokens`. Writes results.json, report.md and frontier.png (throughput
 vs per-user tokens/s, one curve per method, points labelled by concurrency, as in DSpark).
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench.datasets import load_categories
 from specdecode.bench.serve import ServerProcess, run_level, scrape, tau_acceptance
+from specdecode.datasets import load_categories
 
 # label -> (method, policy, K)
 METHODS = {
@@ -72,8 +72,8 @@ def _sps_table(settings: dict) -> list[str]:
     scheduled = [m for m in settings["methods"] if METHODS[m][1].startswith("scheduled")]
     if not scheduled:
         return []
-    from specdecode.policy import StepCostModel
     from specdecode.models.loader import load_model
+    from specdecode.policy import StepCostModel
 
     k = METHODS[scheduled[0]][2]
     target = load_model(settings["target"], dtype=settings["dtype"])

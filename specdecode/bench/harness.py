@@ -28,13 +28,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from specdecode.bench import hardware
+from specdecode.bench.report import write_report
+from specdecode.build import LoadOptions, build
+from specdecode.chat import derive_seed
 from specdecode.config import SamplingParams
+from specdecode.datasets import load_categories, load_jsonl_prompts
 from specdecode.decode import GenerationRequest
 from specdecode.drafters import METHODS
 from specdecode.errors import SpecDecodeError
-from specdecode.prompts import derive_seed
+from specdecode.models.loader import load_model
 
 PEERS = ("hf", "hf-assisted", "hf-lookup")
 
@@ -81,6 +86,19 @@ class BenchConfig:
         if "hf-assisted" in self.peers and "draft" not in self.drafters:
             raise SpecDecodeError("the hf-assisted peer needs the draft model: pass --drafter draft=MODEL")
 
+    def load_options(self, target, method: str) -> LoadOptions:
+        """How `method` is built over the shared, already loaded `target`."""
+        return LoadOptions(
+            target,
+            method,
+            self.drafters.get(method),
+            num_draft_tokens=self.num_draft_tokens,
+            policy=self.policy,
+            dtype=self.dtype,
+            device=self.device,
+            max_batch=max(self.batch_sizes),
+        )
+
     def settings(self) -> dict:
         """What must match for a results file to be resumed."""
         d = asdict(self)
@@ -89,8 +107,6 @@ class BenchConfig:
 
 
 def load_items(datasets: str, limit: int | None) -> list[dict]:
-    from specdecode.bench.datasets import load_categories, load_jsonl_prompts
-
     if datasets.endswith(".jsonl"):
         return load_jsonl_prompts(datasets, limit=limit)
     return load_categories(datasets, limit=limit)
@@ -108,6 +124,7 @@ class TransformersPeer:
     def __init__(
         self, kind: str, target_path, drafter_path, dtype: torch.dtype, device: torch.device | str = "cpu"
     ):
+        # Deferred: transformers is heavy and only the peers use it directly.
         from transformers import AutoModelForCausalLM
 
         if kind not in PEERS:
@@ -161,9 +178,6 @@ def _save(path: Path, cfg: BenchConfig, meta: dict, rows: list[dict]) -> None:
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
-    import specdecode
-    from specdecode.models.loader import load_model
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.json"
@@ -191,19 +205,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
             target=cfg.target,
             dtype=cfg.dtype,
         )
-    sds = {
-        m: specdecode.load(
-            target,
-            m,
-            cfg.drafters.get(m),
-            num_draft_tokens=cfg.num_draft_tokens,
-            policy=cfg.policy,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            max_batch=max(cfg.batch_sizes),
-        )
-        for m in cfg.methods
-    }
+    sds = {m: build(cfg.load_options(target, m)) for m in cfg.methods}
     peers = {}
     if cfg.peers:
         drafter_path = (
@@ -225,8 +227,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                 for g in range(0, len(encoded), b):
                     todo.append((t, b, rep, encoded[g : g + b]))
     total = len(todo) * (len(sds) + len(peers))
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     warmed = set()
     for t, b, rep, group in todo:
@@ -302,7 +302,5 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         _save(results, cfg, meta, rows)
     bar.close()
     _save(results, cfg, meta, rows)
-    from specdecode.bench.report import write_report
-
     write_report(out, cfg, meta, rows)
     return out

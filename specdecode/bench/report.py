@@ -175,6 +175,7 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
 
 
 def _save(fig, path: Path) -> Path:
+    # Deferred: matplotlib is an optional dependency (the `bench` extra), loaded by `_plots`.
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -184,6 +185,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def _plots(out: Path, summ, rows, cats, methods, temps) -> list[Path]:
+    # Deferred: matplotlib is an optional dependency (the `bench` extra); Agg before pyplot.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -85,6 +85,7 @@ def _safe(fn: Callable[[], float]) -> Callable[[], float]:
 
 class Metrics:
     def __init__(self) -> None:
+        # Deferred: prometheus_client is an optional dependency (the `serve` extra).
         import prometheus_client as pc
 
         self._pc = pc

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request models (pydantic), request planning and response shapes.
+"""OpenAI-compatible request models (pydantic) and request planning.
 
 Contract:
 - `CompletionRequest` and `ChatRequest` are the bodies of `/v1/completions` and
@@ -25,8 +25,7 @@ Contract:
 - Defaults follow OpenAI: temperature 1, top_p 1; completions 16 new tokens, chat the rest of the
   context. `top_k` and `ignore_eos` are extensions. Without `seed` a request gets a random one;
   choice j > 0 of a seeded request uses `derive_seed(seed, j)`, so a seed reproduces `n` samples.
-- `completion_body`, `completion_chunk`, `chat_body`, `chat_chunk`, `usage_chunk` and `usage` build
-  the responses; `sse(obj)` frames one server-sent event.
+- The responses are built in `engine/responses.py`.
 """
 
 from __future__ import annotations
@@ -40,11 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, field_validator
 
+from specdecode.chat import derive_seed
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
-from specdecode.prompts import derive_seed
 from specdecode.request import GenerationRequest
 
 MAX_STOP = 4
@@ -408,8 +408,6 @@ def _encode(ctx: ServeContext, text: str) -> list[int]:
 
 
 def _chat_ids(req: ChatRequest, ctx: ServeContext) -> list[int]:
-    from jinja2 import TemplateError
-
     msgs = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages
     ]
@@ -462,56 +460,3 @@ def plan(req: CompletionRequest | ChatRequest, ctx: ServeContext) -> ParsedReque
             )
             parsed.prompt_tokens.append(len(ids))
     return parsed
-
-
-# ---- responses ----------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    total = prompt_tokens + completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
-
-
-def _head(p: ParsedRequest, chunk: bool) -> dict:
-    chat = p.kind == "chat"
-    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{p.id}",
-        "object": obj,
-        "created": p.created,
-        "model": p.model,
-    }
-
-
-def completion_body(p: ParsedRequest, choices: list[dict], use: dict) -> dict:
-    """choices: [{"index", "text", "finish_reason"}]."""
-    return {**_head(p, False), "choices": [{**c, "logprobs": None} for c in choices], "usage": use}
-
-
-def completion_chunk(p: ParsedRequest, index: int, text: str, finish_reason: str | None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(p, True), "choices": [choice]}
-
-
-def chat_body(p: ParsedRequest, choices: list[dict], use: dict) -> dict:
-    out = [
-        {
-            "index": c["index"],
-            "message": {"role": "assistant", "content": c["text"]},
-            "logprobs": None,
-            "finish_reason": c["finish_reason"],
-        }
-        for c in choices
-    ]
-    return {**_head(p, False), "choices": out, "usage": use}
-
-
-def chat_chunk(p: ParsedRequest, index: int, delta: dict, finish_reason: str | None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(p, True), "choices": [choice]}
-
-
-def usage_chunk(p: ParsedRequest, use: dict) -> dict:
-    return {**_head(p, True), "choices": [], "usage": use}
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -13,7 +13,7 @@ Contract:
 - Errors are OpenAI error bodies: malformed JSON (also too deep or a number too long), wrong types
   and impossible values 400, unknown model or route 404, wrong method 405, slow body 408, large
   body 413, queue full 429, shutting down 503, a failure while decoding 500. Their messages never
-  carry a traceback, an internal exception's text or a local path (`_scrub`): details go to the
+  carry a traceback, an internal exception's text or a local path (`limits.scrub`): details go to the
   log. One request's error never affects the others.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
   requests aborted, which frees their slots between engine steps.
@@ -22,22 +22,31 @@ Contract:
   connection closes after `keep_alive_s`, past `limit_concurrency` open connections or requests
   uvicorn answers 503 (plain text). SIGINT/SIGTERM first make the engine refuse new requests
   (503), then in-flight requests get `shutdown_grace_s` to finish before they are cancelled.
-- `serve(...)` builds the engine (`build_engine`) and runs the server until SIGINT / SIGTERM.
+- `build_engine(options, max_queue, served_model_name)` builds the model pair from a
+  `build.LoadOptions` and wraps it in an `Engine`; `serve(options, host=, port=, ...)` builds the
+  engine and runs the server until SIGINT / SIGTERM. The HTTP limits live in `engine/limits.py`,
+  request models and planning in `engine/protocol.py`, response bodies in `engine/responses.py`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-import re
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
+from specdecode.build import LoadOptions, build
 from specdecode.engine.engine import Engine, EngineClosed, EngineEvent, QueueFull
+from specdecode.engine.limits import (
+    BodyGuard,
+    ServerLimits,
+    check_port,
+    head_timeout_protocol,
+    local_paths,
+    scrub,
+)
 from specdecode.engine.protocol import (
     APIError,
     ChatRequest,
@@ -45,108 +54,35 @@ from specdecode.engine.protocol import (
     ErrorBody,
     ParsedRequest,
     ServeContext,
+    plan,
+    precheck,
+    prompt_char_limit,
+    validation_error,
+)
+from specdecode.engine.responses import (
     chat_body,
     chat_chunk,
     completion_body,
     completion_chunk,
-    plan,
-    precheck,
-    prompt_char_limit,
     sse,
     usage,
     usage_chunk,
-    validation_error,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+
+__all__ = ["ServerLimits", "build_engine", "create_app", "make_server", "serve"]
 
 log = logging.getLogger("specdecode.server")
 
-MAX_BODY_BYTES = 8 << 20
 DISCONNECT_POLL_S = 0.25
 DEFAULT_MAX_MODEL_LEN = 4096
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Per-connection and per-request limits of the HTTP layer."""
-
-    max_body_bytes: int = MAX_BODY_BYTES
-    body_timeout_s: float = 30.0  # the whole request body, from the app's first read
-    header_timeout_s: float = 10.0  # request line + headers, from their first byte
-    keep_alive_s: float = 5.0  # idle keep-alive connection
-    limit_concurrency: int = 256  # open connections or requests; beyond: 503
-    tokenizer_threads: int = 2
-
-    def __post_init__(self) -> None:
-        flags = {"limit_concurrency": "--limit-concurrency", "body_timeout_s": "--timeout-body",
-                 "header_timeout_s": "--timeout-header", "keep_alive_s": "--timeout-keep-alive"}  # fmt: skip
-        for name, lo in [("max_body_bytes", 1), ("limit_concurrency", 1), ("tokenizer_threads", 1),
-                         ("body_timeout_s", 0), ("header_timeout_s", 0), ("keep_alive_s", 0)]:  # fmt: skip
-            v = getattr(self, name)
-            if not (v >= lo if lo else v > 0):
-                raise SpecDecodeError(f"{flags.get(name, name)} must be {'>= 1' if lo else '> 0'}, got {v}")
-
-
-# Absolute paths under the usual roots (a model directory, a cache, a traceback's file names).
-_PATH = re.compile(
-    r"(?:[A-Za-z]:\\|~/|/(?:home|root|work|tmp|usr|opt|var|etc|mnt|srv|Users|data)/)[^\s\"'<>]*"
-)
-
-
-def _scrub(message: str, local: tuple[str, ...] = ()) -> str:
-    """A client-facing message without local paths."""
-    for p in sorted(local, key=len, reverse=True):
-        if len(p) > 1:
-            message = message.replace(p, "<path>")
-    return _PATH.sub("<path>", message)
-
-
-class _BodyGuard:
-    """ASGI middleware: the request body may not exceed max_bytes nor take over timeout_s.
-
-    Content-Length over the limit is refused before anything is read; otherwise bytes are
-    counted as they arrive (chunked transfer too) and the read that passes the limit, or the
-    deadline, raises an HTTPException (413 / 408), which FastAPI's body reader passes through to
-    the app's error handler. After the body the receive channel is untouched (disconnects)."""
-
-    def __init__(self, app, max_bytes: int, timeout_s: float, reject):
-        self.app, self.max_bytes, self.timeout_s, self.reject = app, max_bytes, timeout_s, reject
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        from starlette.exceptions import HTTPException
-
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await self.reject(413)(scope, receive, send)
-        seen, done, deadline = 0, False, None
-
-        async def guarded():
-            nonlocal seen, done, deadline
-            if done:
-                return await receive()
-            loop = asyncio.get_running_loop()
-            deadline = deadline or loop.time() + self.timeout_s
-            try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                done = True
-                raise HTTPException(408) from None
-            if msg["type"] != "http.request" or not msg.get("more_body", False):
-                done = True
-            seen += len(msg.get("body", b""))
-            if seen > self.max_bytes:
-                done = True
-                raise HTTPException(413)
-            return msg
-
-        await self.app(scope, guarded, send)
 
 
 def create_app(
     engine: Engine, ctx: ServeContext, shutdown_grace_s: float = 30.0, limits: ServerLimits | None = None
 ):
+    # Deferred: fastapi is an optional dependency (the `serve` extra).
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -154,7 +90,7 @@ def create_app(
 
     limits = limits or ServerLimits()
     pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="specdecode-tokenize")
-    local = _local_paths(ctx)
+    local = local_paths(ctx.aliases)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -174,7 +110,7 @@ def create_app(
         if e.status in (408, 413):  # the rest of the body is not read: the connection cannot be reused
             headers["Connection"] = "close"
         body = e.body()
-        body["error"]["message"] = _scrub(e.message, local)
+        body["error"]["message"] = scrub(e.message, local)
         return JSONResponse(body, status_code=e.status, headers=headers)
 
     def http_error(status: int, request=None) -> APIError:
@@ -191,7 +127,7 @@ def create_app(
         return APIError(status, message, code=code)
 
     app.add_middleware(
-        _BodyGuard,
+        BodyGuard,
         max_bytes=limits.max_body_bytes,
         timeout_s=limits.body_timeout_s,
         reject=lambda status: error_response(http_error(status)),
@@ -400,126 +336,30 @@ def _openapi(app, ctx: ServeContext):
     return openapi
 
 
-def _local_paths(ctx: ServeContext) -> tuple[str, ...]:
-    """Local directories an error message could name (the model's, home, cwd, temp)."""
-    paths = {str(Path.home()), os.getcwd(), tempfile.gettempdir()}
-    paths |= {a for a in ctx.aliases if os.sep in a and os.path.exists(a)}
-    return tuple(p for p in paths if p not in ("", "/"))
-
-
 def build_engine(
-    target,
-    method: str = "ar",
-    drafter: str | None = None,
-    *,
-    num_draft_tokens: int | None = None,
-    policy: str = "scheduled",
-    dtype: str = "bf16",
-    device: str | None = None,
-    max_batch: int = 8,
-    max_model_len: int | None = None,
-    max_queue: int = 64,
-    verify_mode: str = "rejection",
-    served_model_name: str | None = None,
-    drafter_options: dict | None = None,
+    options: LoadOptions, *, max_queue: int = 64, served_model_name: str | None = None
 ) -> tuple[Engine, ServeContext]:
-    """Load target and drafter, measure what the policy needs, and wrap them in an Engine.
+    """Load target and drafter (`options`), measure what the policy needs, and wrap them in an
+    Engine serving contexts of `options.max_model_len` tokens (default: the model's, at most 4096).
 
     Without `served_model_name` a target given as a local directory is served under the
     directory's name (its full path stays accepted as `model` but is never shown to clients)."""
-    import specdecode
-    from specdecode.models.loader import load_model
-
-    tgt = load_model(target, dtype=dtype, device=device) if isinstance(target, str) else target
+    given = options.target
+    tgt = load_model(given, dtype=options.dtype, device=options.device) if isinstance(given, str) else given
     ctx_len = tgt.model.info.max_position
-    length = max_model_len or min(ctx_len, DEFAULT_MAX_MODEL_LEN)
+    length = options.max_model_len or min(ctx_len, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= length <= ctx_len:
         raise SpecDecodeError(f"--max-model-len must be in 2..{ctx_len} (the model's context), got {length}")
-    if max_batch < 1:
-        raise SpecDecodeError(f"--max-batch must be >= 1, got {max_batch}")
-    sd = specdecode.load(
-        tgt,
-        method,
-        drafter,
-        num_draft_tokens=num_draft_tokens,
-        policy=policy,
-        dtype=dtype,
-        device=device,
-        max_batch=max_batch,
-        verify_mode=verify_mode,
-        max_model_len=length,
-        drafter_options=drafter_options,
-    )
-    engine = Engine(sd.decoder, max_batch, length, max_queue)
-    given = target if isinstance(target, str) else tgt.name
+    if options.max_batch < 1:
+        raise SpecDecodeError(f"--max-batch must be >= 1, got {options.max_batch}")
+    sd = build(dataclasses.replace(options, target=tgt, max_model_len=length))
+    engine = Engine(sd.decoder, options.max_batch, length, max_queue)
+    given = given if isinstance(given, str) else tgt.name
     name = served_model_name or (tgt.path.name if os.path.exists(given) else given)
     aliases = tuple(sorted({tgt.name, tgt.path.name, str(tgt.path)} - {name}))
     chars = prompt_char_limit(tgt.tokenizer, length)
     ctx = ServeContext(name, tgt.tokenizer, tgt.vocab_size, length, aliases=aliases, max_prompt_chars=chars)
     return engine, ctx
-
-
-def _check_port(host: str, port: int) -> None:
-    import socket
-
-    if not 0 <= port <= 65535:
-        raise SpecDecodeError(f"--port must be in 0..65535, got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise SpecDecodeError(f"cannot resolve --host {host!r}: {e}") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise SpecDecodeError(
-                f"cannot listen on {host}:{port} ({e.strerror}); pass another --port"
-            ) from None
-
-
-def _head_timeout_protocol(timeout_s: float):
-    """uvicorn's HTTP protocol plus a deadline on each request head: uvicorn bounds an idle
-    keep-alive connection, not one that sends nothing or trickles its head in."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    class HeadTimeoutProtocol(AutoHTTPProtocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._head_timer = None
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            super().data_received(data)
-            if self.cycle is not cycle:  # a request head was parsed
-                self._disarm()
-            elif self._head_timer is None and (cycle is None or cycle.response_complete):
-                self._arm()  # the first bytes of the next head on a kept-alive connection
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._head_timer = self.loop.call_later(timeout_s, self._expire, self.cycle)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _expire(self, cycle) -> None:
-            self._head_timer = None
-            waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
-            if waiting and not self.transport.is_closing():
-                self.transport.write(
-                    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-                )
-                self.transport.close()
-
-    return HeadTimeoutProtocol
 
 
 def make_server(
@@ -532,6 +372,7 @@ def make_server(
     limits: ServerLimits | None = None,
 ):
     """A uvicorn Server whose SIGINT/SIGTERM first closes the engine to new requests."""
+    # Deferred: uvicorn is an optional dependency (the `serve` extra).
     import uvicorn
 
     limits = limits or ServerLimits()
@@ -546,7 +387,7 @@ def make_server(
         app,
         host=host,
         port=port,
-        http=_head_timeout_protocol(limits.header_timeout_s),
+        http=head_timeout_protocol(limits.header_timeout_s),
         timeout_keep_alive=limits.keep_alive_s,
         limit_concurrency=limits.limit_concurrency,
         log_level=log_level,
@@ -557,23 +398,22 @@ def make_server(
 
 
 def serve(
-    target,
-    method: str = "ar",
-    drafter: str | None = None,
+    options: LoadOptions,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
     limits: ServerLimits | None = None,
-    **engine_kwargs,
+    max_queue: int = 64,
+    served_model_name: str | None = None,
 ) -> None:
     """Build the engine and serve until SIGINT / SIGTERM."""
-    _check_port(host, port)
-    engine, ctx = build_engine(target, method, drafter, **engine_kwargs)
+    check_port(host, port)
+    engine, ctx = build_engine(options, max_queue=max_queue, served_model_name=served_model_name)
     log.warning(
         "serving %s (method %s, max batch %d, context %d) on http://%s:%d/v1",
-        ctx.model_name, method, engine.max_batch, ctx.max_model_len, host, port,
+        ctx.model_name, options.method, engine.max_batch, ctx.max_model_len, host, port,
     )  # fmt: skip
     try:
         make_server(engine, ctx, host, port, shutdown_grace_s, log_level, limits).run()

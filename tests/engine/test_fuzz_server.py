@@ -23,10 +23,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_server import _start, _stop, _wait_idle
 
 from specdecode.engine.server import ServerLimits
-from specdecode.models.loader import load_model
 
 MAX_LEN = 32  # short completions keep the fuzzing fast
 MAX_BATCH = 4
@@ -43,19 +41,17 @@ LEAKS = ("Traceback", 'File "', '.py"', "/tmp/", "/home/", "/root/")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    s = _start(target, limits=LIMITS, max_batch=MAX_BATCH, max_queue=64, max_model_len=MAX_LEN)
-    s.port = int(s.url.rsplit(":", 1)[1])
+def server(tiny_target, start_server):
+    s = start_server(tiny_target, limits=LIMITS, max_batch=MAX_BATCH, max_queue=64, max_model_len=MAX_LEN)
     s.http = httpx.Client(base_url=s.url, timeout=30)
     yield s
     s.http.close()
-    _stop(s)
+    s.stop()
 
 
 def _assert_healthy(s):
     """The server answers, holds no request and has every slot free; it logged no 5xx."""
-    _wait_idle(s.engine, timeout=20)
+    s.wait_idle(timeout=20)
     assert s.engine.num_inflight == 0 and s.engine.decoder.num_free_slots == MAX_BATCH
     assert s.http.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
     r = s.http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3})

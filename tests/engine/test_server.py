@@ -2,12 +2,7 @@
 client library would refuse to send) against uvicorn on a free loopback port."""
 
 import json
-import os
 import signal
-import socket
-import threading
-import time
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -15,75 +10,16 @@ import pytest
 
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
-from specdecode.engine.server import build_engine, make_server
-from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
 
-MAX_LEN = 128
+MAX_LEN = 128  # start_server's default context
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir, tmp_path_factory):
-    old = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("sd_cache"))  # SPS profile goes here
-    yield load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    if old is None:
-        os.environ.pop("SPECDECODE_CACHE", None)
-    else:
-        os.environ["SPECDECODE_CACHE"] = old
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(target, grace=2.0, limits=None, **kw):
-    kw = {"served_model_name": "tiny", "max_model_len": MAX_LEN, "device": "cpu", "dtype": "fp32", **kw}
-    engine, ctx = build_engine(target, "ngram", **kw)
-    port = _free_port()
-    srv = make_server(
-        engine, ctx, "127.0.0.1", port, shutdown_grace_s=grace, log_level="warning", limits=limits
-    )
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
-    return SimpleNamespace(url=url, engine=engine, ctx=ctx, srv=srv, thread=th, client=client)
-
-
-def _stop(s):
-    s.srv.should_exit = True
-    s.thread.join(timeout=20)
-
-
-@pytest.fixture(scope="module")
-def server(target):
-    s = _start(target, max_batch=4, max_queue=4)
+def server(tiny_target, start_server):
+    s = start_server(tiny_target, max_batch=4, max_queue=4)
     yield s
-    _stop(s)
-
-
-def _slow_steps(monkeypatch, engine, delay=0.03):
-    real = engine.decoder._step
-
-    def slow(running):
-        time.sleep(delay)
-        return real(running)
-
-    monkeypatch.setattr(engine.decoder, "_step", slow)
-
-
-def _wait_idle(engine, timeout=10):
-    deadline = time.time() + timeout
-    while engine.num_inflight or engine.decoder.num_active or engine.num_waiting:
-        assert time.time() < deadline, "slots were not freed"
-        time.sleep(0.02)
+    s.stop()
 
 
 def _offline(target, ids, n):
@@ -111,10 +47,10 @@ def test_models_health_metrics(server):
         assert name in m.text
 
 
-def test_completion_matches_offline_greedy_and_streams_the_same(server, target):
+def test_completion_matches_offline_greedy_and_streams_the_same(server, tiny_target):
     prompt = "the cat sat on the mat and the cat"
-    ids = target.tokenizer(prompt)["input_ids"]
-    ref = _offline(target, ids, 20)
+    ids = tiny_target.tokenizer(prompt)["input_ids"]
+    ref = _offline(tiny_target, ids, 20)
     r = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == ref.num_new_tokens
@@ -133,10 +69,10 @@ def test_completion_matches_offline_greedy_and_streams_the_same(server, target):
     assert chunks[-1].usage.completion_tokens == ref.num_new_tokens
 
 
-def test_chat_plain_and_streamed(server, target):
+def test_chat_plain_and_streamed(server, tiny_target):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ref = _offline(target, list(ids["input_ids"] if hasattr(ids, "keys") else ids), 16)
+    ids = tiny_target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ref = _offline(tiny_target, list(ids["input_ids"] if hasattr(ids, "keys") else ids), 16)
     r = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
     stream = server.client.chat.completions.create(
@@ -274,7 +210,7 @@ def test_errors_through_the_client_and_routes(server):
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_slot(server, monkeypatch):
-    _slow_steps(monkeypatch, server.engine)
+    server.slow_steps(monkeypatch)
     before = server.engine.metrics.value("specdecode_requests_total", outcome="cancelled")
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
@@ -282,29 +218,29 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(server, monkeypatch):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert server.engine.decoder.num_active == 1
-    _wait_idle(server.engine)  # closing the connection aborted the request
+    server.wait_idle()  # closing the connection aborted the request
     assert server.engine.metrics.value("specdecode_requests_total", outcome="cancelled") == before + 1
     assert server.engine.decoder.num_free_slots == 4
 
 
-def test_queue_full_is_429_and_the_server_recovers(target, monkeypatch):
-    s = _start(target, max_batch=1, max_queue=1)
+def test_queue_full_is_429_and_the_server_recovers(tiny_target, start_server, monkeypatch):
+    s = start_server(tiny_target, max_batch=1, max_queue=1)
     try:
-        _slow_steps(monkeypatch, s.engine)
+        s.slow_steps(monkeypatch)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r1:
             with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r2:
                 assert r1.status_code == r2.status_code == 200  # one running, one queued
                 with pytest.raises(openai.RateLimitError, match="capacity"):
                     s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-        _wait_idle(s.engine)
+        s.wait_idle()
         assert s.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
     finally:
-        _stop(s)
+        s.stop()
 
 
-def test_graceful_shutdown_finishes_in_flight_streams(target):
-    s = _start(target, grace=10.0, max_batch=2, max_queue=2)
+def test_graceful_shutdown_finishes_in_flight_streams(tiny_target, start_server):
+    s = start_server(tiny_target, grace=10.0, max_batch=2, max_queue=2)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 60, "stream": True, "ignore_eos": True}
     got = []
     with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r:

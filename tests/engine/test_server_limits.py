@@ -11,26 +11,19 @@ import time
 
 import httpx
 import pytest
-from test_server import MAX_LEN, _slow_steps, _start, _stop, _wait_idle
 
 from specdecode.engine.server import ServerLimits
-from specdecode.models.loader import load_model
 
 LIMITS = ServerLimits(body_timeout_s=1.0, header_timeout_s=1.0, keep_alive_s=1.0, limit_concurrency=64)
 MIB = 1 << 20
+MAX_LEN = 128  # start_server's default context
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(target):
-    s = _start(target, limits=LIMITS, max_batch=2, max_queue=2)
-    s.port = int(s.url.rsplit(":", 1)[1])
+def server(tiny_target, start_server):
+    s = start_server(tiny_target, limits=LIMITS, max_batch=2, max_queue=2)
     yield s
-    _stop(s)
+    s.stop()
 
 
 def _connect(s) -> socket.socket:
@@ -181,8 +174,8 @@ def test_a_slow_body_gets_408_and_is_dropped(server):
     _ok(server)
 
 
-def test_connection_limit_answers_503(target):
-    s = _start(target, limits=ServerLimits(limit_concurrency=3), max_batch=1, max_queue=1)
+def test_connection_limit_answers_503(tiny_target, start_server):
+    s = start_server(tiny_target, limits=ServerLimits(limit_concurrency=3), max_batch=1, max_queue=1)
     port = int(s.url.rsplit(":", 1)[1])
     try:
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
@@ -199,18 +192,18 @@ def test_connection_limit_answers_503(target):
             time.sleep(0.02)
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
     finally:
-        _stop(s)
+        s.stop()
 
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server, monkeypatch):
-    _slow_steps(monkeypatch, server.engine, 0.05)  # 100 tokens take >= 5 s
+    server.slow_steps(monkeypatch, 0.05)  # 100 tokens take >= 5 s
     m = server.engine.metrics
     before = m.value("specdecode_requests_total", outcome="cancelled")
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
     t0 = time.time()
-    _wait_idle(server.engine, timeout=5)
+    server.wait_idle(timeout=5)
     assert time.time() - t0 < 3  # aborted within a few polls, not after 100 tokens
     assert m.value("specdecode_requests_total", outcome="cancelled") == before + 1
     assert server.engine.decoder.num_free_slots == 2
@@ -294,12 +287,12 @@ def test_error_bodies_carry_no_traceback_exception_text_or_path(server, monkeypa
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     _assert_clean(r.text, secret, path)
     monkeypatch.undo()
-    _wait_idle(server.engine)
+    server.wait_idle()
     _ok(server)  # and it goes on serving
 
 
-def test_a_model_directory_is_served_under_its_name_not_its_path(target, tiny_llama_dir):
-    s = _start(target, served_model_name=None, max_batch=1, max_queue=1)
+def test_a_model_directory_is_served_under_its_name_not_its_path(tiny_target, start_server, tiny_llama_dir):
+    s = start_server(tiny_target, served_model_name=None, max_batch=1, max_queue=1)
     try:
         path = str(tiny_llama_dir)
         models = httpx.get(f"{s.url}/v1/models", timeout=10).json()
@@ -310,4 +303,4 @@ def test_a_model_directory_is_served_under_its_name_not_its_path(target, tiny_ll
         r = httpx.post(f"{s.url}/v1/completions", json={"model": path, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == tiny_llama_dir.name  # still accepted
     finally:
-        _stop(s)
+        s.stop()

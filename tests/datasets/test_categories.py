@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from specdecode.bench import datasets as D
+from specdecode.datasets import categories as D
 from specdecode.errors import SpecDecodeError
 
 SIZES = {"chat": 50, "code": 174, "math": 80, "summarization": 40, "rag": 40}

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from specdecode.chat import read_prompts_jsonl
+from specdecode.datasets.prompt_sets import load_prompt_set
 from specdecode.errors import SpecDecodeError
 
 DATASET_VERSION = "1"
@@ -92,8 +94,6 @@ def _interleave(groups: list[list[dict]]) -> list[dict]:
 
 @functools.cache
 def _records(prompt_set: str) -> tuple[dict, ...]:
-    from specdecode.assets import load_prompt_set
-
     return tuple(load_prompt_set(prompt_set, progress=False))
 
 
@@ -229,6 +229,7 @@ def _chunks(text: str) -> list[tuple[int, str]]:
 def _passages() -> tuple[dict[str, str], dict[str, list[str]]]:
     """(topic -> its opening passage, which starts with the topic's title;
     topic -> its later passages). Topics whose opening paragraphs fit no passage have none."""
+    # Deferred: pydoc_data.topics is a large module, read only when passage categories are built.
     import pydoc_data.topics
 
     openings, later = {}, {}
@@ -365,10 +366,8 @@ def load_categories(names: Iterable[str] | str, limit: int | None = None) -> lis
 
 
 def load_jsonl_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """A user's prompts file (see `specdecode.prompts`) as items of category "custom". A plain
+    """A user's prompts file (see `specdecode.chat`) as items of category "custom". A plain
     `prompt` becomes a single user message; `seed`, `max_new_tokens` and `stop` are kept."""
-    from specdecode.prompts import read_prompts_jsonl
-
     _check_limit(limit)
     items = []
     for p in read_prompts_jsonl(path)[:limit]:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.assets import load_prompt_set
-from specdecode.bench import datasets as D
+from specdecode.datasets import categories as D
+from specdecode.datasets import load_prompt_set
 from specdecode.errors import SpecDecodeError
 from specdecode.training import prompts as P
+from specdecode.training import sources as S
 
 SOURCES = ("code", "docs", "math", "instructions")
 
@@ -123,12 +124,12 @@ def test_deterministic_across_calls_and_processes(default_set):
     # Another process (other hash seed, other addresses) builds the same code, math and
     # instruction records; the docs source is built from the same stdlib walk.
     code = (
-        "from specdecode.training import prompts as P; "
-        "print(P.fingerprint(P._code_records() + P._math_records() + P._instruction_records()))"
+        "from specdecode.training import prompts as P, sources as S; "
+        "print(P.fingerprint(S._code_records() + S._math_records() + S._instruction_records()))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    here = P.fingerprint(P._code_records() + P._math_records() + P._instruction_records())
+    here = P.fingerprint(S._code_records() + S._math_records() + S._instruction_records())
     assert out.stdout.strip() == here
 
 
@@ -165,12 +166,12 @@ def test_math_answers_are_correct(full_set):
         numbers = [int(n) for n in re.findall(r"\d+", _text(r))]
         assert isinstance(r["answer"], int) and r["answer"] >= 0
         assert r["answer"] == solve[kind](*numbers), r
-        assert _text(r).startswith(P.math_problem(int(index))[1])
-    for i in range(P.NUM_MATH):  # the whole generator, not only the problems picked
-        kind, question, answer = P.math_problem(i)
+        assert _text(r).startswith(S.math_problem(int(index))[1])
+    for i in range(S.NUM_MATH):  # the whole generator, not only the problems picked
+        kind, question, answer = S.math_problem(i)
         assert answer == solve[kind](*map(int, re.findall(r"\d+", question))) >= 0
-    assert P.TRAIN_MATH_SEED != D.MATH_SEED
-    assert P.math_problem(11) == P.math_problem(11)
+    assert S.TRAIN_MATH_SEED != D.MATH_SEED
+    assert S.math_problem(11) == S.math_problem(11)
 
 
 def test_code_tasks_name_real_public_stdlib_objects(full_set):
@@ -178,7 +179,7 @@ def test_code_tasks_name_real_public_stdlib_objects(full_set):
     for r in code:
         dotted = r["id"].split("/", 2)[2]
         assert not any(part.startswith("_") for part in dotted.split("."))
-        assert dotted.split(".")[0] in {m.split(".")[0] for m in P.STDLIB_MODULES}
+        assert dotted.split(".")[0] in {m.split(".")[0] for m in S.STDLIB_MODULES}
     implement = {r["id"]: _text(r) for r in code if r["id"].startswith("code/implement/")}
     assert len(implement) > 300
     for rid, text in list(implement.items())[:50]:

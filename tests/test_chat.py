@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from specdecode.chat import derive_seed, read_prompts_jsonl
 from specdecode.errors import SpecDecodeError
-from specdecode.prompts import derive_seed, read_prompts_jsonl
 
 
 def _write(tmp_path, lines):

@@ -1,0 +1,172 @@
+"""Model assembly below the API: `LoadOptions` -> target + drafter + draft-length policy.
+
+Contract:
+- `LoadOptions` holds every setting of `specdecode.load` with its default, once; the CLI, the
+  server (`engine.server.build_engine`) and the benchmark harness build one and pass it on.
+  Construction checks what needs no model (a known method, K >= 0) with errors naming the flag.
+- `build(options)` resolves the target (alias, Hugging Face directory or hub id; a `LoadedModel`
+  is used as given, so several methods can share one target) and the drafter, measures what the
+  policy needs (cached per machine) and returns a `SpecDecode`.
+- `SpecDecode.generate` / `stream` / `requests` take text, chat messages, or a list of prompts,
+  and validated sampling parameters. Output is exactly the target's distribution (greedy at
+  temperature 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.chat import PromptItem, derive_seed, encode_prompt, parse_item
+from specdecode.config import SamplingParams
+from specdecode.decode import GenerationRequest, GenerationResult, SpeculativeDecoder
+from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.policy import StepCostModel, make_policy, step_costs
+
+DEFAULT_TARGET = "smollm2-135m"
+# The policies that time a target step (and a draft token) to choose K.
+_MEASURED_POLICIES = ("adaptive", "scheduled", "scheduled-production")
+_SCHEDULED_POLICIES = ("scheduled", "scheduled-production")
+
+
+@dataclass
+class LoadOptions:
+    """What `specdecode.load` takes.
+
+    policy: fixed, adaptive, scheduled or scheduled-production (`specdecode.policy`);
+    max_model_len bounds the contexts the scheduled policies profile (default: the model's
+    context); drafter_options: method-specific drafter settings (dspark: confidence_threshold,
+    threshold_on)."""
+
+    target: Any = DEFAULT_TARGET  # alias, HF directory, hub id, or a LoadedModel to share
+    method: str = "ar"
+    drafter: str | None = None
+    num_draft_tokens: int | None = None
+    policy: str = "adaptive"
+    dtype: str = "auto"
+    device: str | None = None
+    max_batch: int = 8
+    verify_mode: str = "rejection"
+    max_model_len: int | None = None
+    drafter_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpecDecodeError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise SpecDecodeError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per step: the method's default unless given; 0 for `ar`."""
+        if self.method == "ar":
+            return 0
+        return DEFAULT_NUM_DRAFT[self.method] if self.num_draft_tokens is None else self.num_draft_tokens
+
+
+def _is_single(prompt) -> bool:
+    """A string or one conversation (a list of role/content messages) is a single prompt."""
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+    )
+
+
+class SpecDecode:
+    """A target + drafter pair ready to generate."""
+
+    def __init__(
+        self, target, drafter, policy, method: str, max_batch: int = 8, verify_mode: str = "rejection"
+    ):
+        self.target, self.drafter, self.method = target, drafter, method
+        self.tokenizer = target.tokenizer
+        self.decoder = SpeculativeDecoder(
+            target, drafter, policy, max_batch=max_batch, verify_mode=verify_mode
+        )
+
+    def _items(self, prompt) -> list[PromptItem]:
+        if isinstance(prompt, str):
+            return [parse_item({"prompt": prompt}, "prompt", "0")]
+        if _is_single(prompt):
+            return [parse_item({"messages": prompt}, "messages", "0")]
+        if isinstance(prompt, list) and prompt:
+            items = []
+            for i, p in enumerate(prompt):
+                obj = {"prompt": p} if isinstance(p, str) else {"messages": p} if isinstance(p, list) else p
+                items.append(parse_item(obj, f"prompt[{i}]", str(i)))
+            return items
+        raise SpecDecodeError(
+            "prompt must be a non-empty string, a list of chat messages, or a list of prompts"
+        )
+
+    def requests(
+        self,
+        prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: tuple[str, ...] | list[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> list[GenerationRequest]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        reqs = []
+        for i, item in enumerate(self._items(prompt)):
+            reqs.append(
+                GenerationRequest(
+                    prompt_ids=encode_prompt(self.tokenizer, item, chat),
+                    params=params,
+                    max_new_tokens=item.max_new_tokens or max_new_tokens,
+                    stop=tuple(item.stop or stop),
+                    seed=item.seed if item.seed is not None else derive_seed(seed, i),
+                    id=item.id,
+                    ignore_eos=ignore_eos,
+                )
+            )
+        return reqs
+
+    def generate(self, prompt, **kwargs) -> GenerationResult | list[GenerationResult]:
+        """One result for a single prompt (text or messages), a list for a list of prompts."""
+        results = self.decoder.generate(self.requests(prompt, **kwargs))
+        return results[0] if _is_single(prompt) else results
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Text pieces of a single prompt as they are verified."""
+        reqs = self.requests(prompt, **kwargs)
+        if len(reqs) != 1:
+            raise SpecDecodeError("stream() takes a single prompt; use decoder.stream() for many")
+        for event in self.decoder.stream(reqs):
+            if event.text:
+                yield event.text
+            if event.result is not None:
+                self.last_result = event.result
+
+
+def build(options: LoadOptions) -> SpecDecode:
+    """Load (or take) the target, build the drafter and the policy, and pair them."""
+    o = options
+    tgt = load_model(o.target, dtype=o.dtype, device=o.device) if isinstance(o.target, str) else o.target
+    drf = build_drafter(o.method, tgt, o.drafter, dtype=o.dtype, device=o.device, options=o.drafter_options)
+    k = o.k
+    verify_cost, draft_cost, step_cost = 0.03, drf.cost_per_token, None
+    if o.policy in _MEASURED_POLICIES and k > 0:
+        # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
+        costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
+        verify_cost = [c / costs[0] for c in costs]
+        if getattr(drf, "model", None) is not None:
+            draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
+    if o.policy in _SCHEDULED_POLICIES:
+        if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)
+            max_context = o.max_model_len or tgt.model.info.max_position
+            step_cost = StepCostModel.measured(tgt, o.max_batch, k + 1, max_context, draft_cost=draft_cost)
+        else:  # nothing to schedule
+            step_cost = StepCostModel.flat()
+    # The scheduled policies correct the profile and the drafting cost from the steps they see.
+    pol = make_policy(
+        o.policy, k, draft_cost=draft_cost, verify_cost=verify_cost, step_cost=step_cost, online=True
+    )
+    return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

@@ -1,0 +1,166 @@
+"""`specdecode train METHOD` and `specdecode calibrate`: drafters fitted to a target.
+
+Contract: `train` runs a method's training task on regenerated data (resumable: rerun with the
+same --out); the method-specific flags go to that task only (`--mode native` only for mtp).
+`calibrate` fits DSpark's per-position confidence temperatures on held-out prompts and writes
+them into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdecode.cli import options
+from specdecode.drafters.dspark.calibrate import calibrate as fit_temperatures
+from specdecode.drafters.dspark.calibrate import format_table
+from specdecode.training.run import run_training
+from specdecode.training.trainer import TrainConfig
+
+_REGEN_HELP = "directory from `specdecode data regen`"
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a drafter for a target on its regenerated data (resumable)")
+    t.add_argument("method", help="draft, medusa, mtp, eagle, dflash, dspark")
+    options.add_target(t, required=True)
+    options.add_data(t, _REGEN_HELP)
+    options.add_out(t, "checkpoint directory (rerun to resume)")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--tokens-per-batch", type=int, default=4096)
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=0, help="served-tau evaluation interval (0: at the end)")
+    t.add_argument("--eval-prompts", type=int, default=16)
+    t.add_argument("--feature-cache", default=None, help="directory to cache target features on disk")
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
+    options.add_seed(t)
+    t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
+    m = t.add_argument_group("method-specific")
+    m.add_argument("--draft-vocab", type=int, default=8192, help="eagle: draft vocabulary size")
+    m.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test unroll steps")
+    m.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
+    m.add_argument("--num-modules", type=int, default=3, help="mtp: number of chained modules")
+    m.add_argument(
+        "--mode",
+        default="frozen",
+        choices=["frozen", "native"],
+        help="mtp: frozen target, or native joint training of target + modules (writes OUT/target)",
+    )
+    m.add_argument("--mtp-weight", type=float, default=0.3, help="mtp native: lambda of the MTP loss")
+    m.add_argument(
+        "--trunk-lr-scale", type=float, default=0.01, help="mtp native: target's lr as a fraction of --lr"
+    )
+    m.add_argument(
+        "--num-layers", type=int, default=None, help="draft: layers of the draft model (4); dflash/dspark: 2"
+    )
+    m.add_argument("--block-size", type=int, default=None, help="dflash: slots per block (8); dspark: (7)")
+    m.add_argument("--num-anchors", type=int, default=32, help="dflash/dspark: blocks per training sequence")
+    m.add_argument("--markov-rank", type=int, default=256, help="dspark: rank r of the Markov head")
+    options.add_dtype(t)
+    options.add_device(t)
+    t.set_defaults(handler=train)
+
+    c = sub.add_parser(
+        "calibrate", help="fit DSpark's per-position confidence temperatures (STS) on held-out prompts"
+    )
+    options.add_target(c, required=True)
+    c.add_argument(
+        "--drafter", required=True, help="DSpark checkpoint directory (temperatures are written into it)"
+    )
+    options.add_data(c, "regenerated data or prompt set directory with heldout.jsonl")
+    c.add_argument("--num-prompts", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the recorded runs")
+    options.add_max_new_tokens(c)
+    c.add_argument("--eval-fraction", type=float, default=0.33, help="rounds held out to report the ECE on")
+    options.add_max_batch(c)
+    c.add_argument(
+        "--bias",
+        action="store_true",
+        help="also fit a per-position bias (not in the paper; for heads off by a constant, e.g. over-fitted)",
+    )
+    options.add_dtype(c)
+    options.add_device(c)
+    c.set_defaults(handler=calibrate)
+
+
+def _task_options(a: argparse.Namespace) -> dict:
+    """The flags a method's training task takes (defaults of the shared ones per method)."""
+    kw = {
+        "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
+        "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
+        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
+        "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers or 4},
+        "dflash": {
+            "draft_vocab_size": a.draft_vocab,
+            "num_layers": a.num_layers or 2,
+            "block_size": a.block_size or 8,
+            "num_anchors": a.num_anchors,
+        },
+        "dspark": {
+            "draft_vocab_size": a.draft_vocab,
+            "num_layers": a.num_layers or 2,
+            "block_size": a.block_size or 7,
+            "num_anchors": a.num_anchors,
+            "markov_rank": a.markov_rank,
+        },
+    }.get(a.method, {})
+    if a.mode == "native":  # run_training refuses it for other methods
+        kw |= {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
+    return kw
+
+
+def train(a: argparse.Namespace) -> None:
+    cfg = TrainConfig(
+        out_dir=a.out,
+        steps=a.steps,
+        lr=a.lr,
+        warmup_steps=a.warmup_steps,
+        grad_accum=a.grad_accum,
+        tokens_per_batch=a.tokens_per_batch,
+        max_len=a.max_len,
+        checkpoint_every=a.checkpoint_every,
+        eval_every=a.eval_every,
+        eval_prompts=a.eval_prompts,
+        seed=a.seed,
+        bf16=a.bf16,
+        stop_at=a.stop_at,
+    )
+    run_training(
+        a.method,
+        a.target,
+        a.data,
+        a.out,
+        cfg,
+        _task_options(a),
+        dtype=a.dtype,
+        device=a.device,
+        feature_cache=a.feature_cache,
+    )
+    print(f"drafter checkpoint: {a.out}")
+    if a.mode == "native":
+        print(f"jointly trained target: {a.out}/target (serve the drafter with --target {a.out}/target)")
+
+
+def calibrate(a: argparse.Namespace) -> None:
+    res = fit_temperatures(
+        a.target,
+        a.drafter,
+        a.data,
+        num_prompts=a.num_prompts,
+        temperature=a.temperature,
+        max_new_tokens=a.max_new_tokens,
+        eval_fraction=a.eval_fraction,
+        dtype=a.dtype,
+        device=a.device,
+        max_batch=a.max_batch,
+        bias=a.bias,
+    )
+    print(
+        f"{res['prompts']} prompts at T = {res['temperature']}: {res['rounds_fit']} rounds fit, "
+        f"{res['rounds_eval']} rounds evaluated"
+    )
+    print(format_table(res))
+    print(f"wrote the temperatures into {a.drafter}; calibration.json and reliability.png beside them")
