@@ -1,0 +1,51 @@
+"""z-lab DFlash checkpoints (`DFlashDraftModel` with a `dflash_config`): detection and import.
+
+Contract:
+- Layout: config.json is a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
+  `block_size`, `num_target_layers` and `dflash_config` {`mask_token_id`, `target_layer_ids`};
+  weights `fc.weight` (k d -> d), `hidden_norm.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj`,
+  `layers.{i}.self_attn.{q,k}_norm`, `layers.{i}.{input,post_attention}_layernorm`,
+  `layers.{i}.mlp.*`, `norm.weight`. No embedding or LM head: both are the target's.
+  `target_layer_ids` are 0-based decoder layers read as `hidden_states[id + 1]` (ours too);
+  without them z-lab spreads `num_hidden_layers` ids from layer 1 to L - 3.
+- `import_(path, cfg, state, target)` refuses a checkpoint for another target (layer count,
+  width, vocabulary, feature layers) and otherwise with the architecture reasons of
+  dflash_family.py (its per-head q/k norms have no counterpart in specdecode's DFlash).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.interop import dflash_family
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def is_zlab(cfg: dict) -> bool:
+    return ARCHITECTURE in (cfg.get("architectures") or []) and isinstance(cfg.get("dflash_config"), dict)
+
+
+def layer_ids(cfg: dict) -> list[int]:
+    ids = cfg["dflash_config"].get("target_layer_ids")
+    if ids is not None:
+        return [int(i) for i in ids]
+    n, L = int(cfg["num_hidden_layers"]), int(cfg["num_target_layers"])
+    if n == 1:
+        return [L // 2]
+    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+
+
+def import_(path: Path, cfg: dict, state: dict[str, torch.Tensor], target) -> tuple[str, dict, dict]:
+    where = f"z-lab DFlash drafter {path}"
+    L = target.model.info.num_layers
+    if int(cfg.get("num_target_layers", L)) != L:
+        raise SpecDecodeError(
+            f"{where} was built for a target with {cfg['num_target_layers']} layers; {target.name!r} "
+            f"has {L}: use a drafter trained for this target"
+        )
+    dflash_family.import_refusal(where, cfg, state, layer_ids(cfg), target)
+    raise AssertionError("unreachable")  # import_refusal always raises today
