@@ -47,7 +47,7 @@ def add_parsers(sub) -> None:
         "--temperature", type=float, default=None,
         help="default: the target's usual temperature (its generation config, else 0.7); 0 = greedy",
     )  # fmt: skip
-    dr.add_argument("--top-p", type=float, default=1.0)
+    options.add_top_p(dr)
     dr.add_argument("--batch-size", type=int, default=32, help="answers decoded at once")
     dr.add_argument("--samples", type=int, default=1, help="answers per prompt, each with its own seed")
     dr.add_argument("--limit", type=int, default=None, help="first N prompts of each split")

@@ -44,7 +44,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    options.add_top_p(g)
     options.add_seed(g)
     options.add_max_new_tokens(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -1,7 +1,9 @@
 """The command line's shared options, each declared once, with its default in one place.
 
 Contract: each function adds one option (or one group) to a parser; a command module calls the
-ones it takes. `add_load_options(p)` adds the `LoadOptions` flags (target, method, drafter, K,
+ones it takes. (Flags that share a name but not a meaning stay with their command: --temperature
+is one value for generate, a list for bench, a regen default or a calibration setting.)
+`add_load_options(p)` adds the `LoadOptions` flags (target, method, drafter, K,
 policy, verify mode, dtype, device, max batch, drafter options), whose defaults are
 `build.LoadOptions`'s own; `load_options(args)` turns parsed arguments back into one
 `LoadOptions` (what `specdecode.load`, the server and the harness take), never re-spelling them.
@@ -30,10 +32,9 @@ DRAFTER_FLAGS = ("confidence_threshold", "threshold_on")
 
 
 def add_target(p: argparse.ArgumentParser, required: bool = False) -> None:
-    if required:
-        p.add_argument("--target", required=True, help=MODEL_HELP)
-    else:
-        p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face directory or hub id")
+    """--target: the commands that load a model for you default to the embedded one."""
+    default = {"required": True} if required else {"default": DEFAULT_TARGET}
+    p.add_argument("--target", help=MODEL_HELP, **default)
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,10 @@ def add_seed(p: argparse.ArgumentParser) -> None:
 
 def add_max_new_tokens(p: argparse.ArgumentParser, default: int = 128) -> None:
     p.add_argument("--max-new-tokens", type=int, default=default)
+
+
+def add_top_p(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--top-p", type=float, default=1.0)
 
 
 def add_max_batch(p: argparse.ArgumentParser) -> None:
