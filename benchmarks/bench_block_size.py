@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.drafter import DraftRow
 from specdecode.drafters import build_drafter
-from specdecode.drafters.base import DraftRow
 from specdecode.models.loader import load_model
 from specdecode.policy.profile import measure_step_costs
 from specdecode.training.features import TargetFeatures

@@ -56,9 +56,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from specdecode.drafters.mtp import load_mtp
-    from specdecode.drafters.mtp.train import response_nll
     from specdecode.models.loader import load_model
     from specdecode.training.data import load_sequences
+    from specdecode.training.methods.mtp import response_nll
     from specdecode.training.regen import read_regen
     from specdecode.training.trainer import evaluate
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftRow
+from specdecode.drafter import DraftRow
 from specdecode.policy import PolicyState
 from specdecode.sampling import seeded_generator
 
@@ -127,6 +127,10 @@ class RunningRequest:
 
     def row(self) -> DraftRow:
         return DraftRow(self.slot, self.token_ids, self.req.params, self.generator)
+
+    def room(self) -> int:
+        """Drafts this request can still use: the last emitted token is always the target's."""
+        return max(0, self.req.max_new_tokens - len(self.output_ids) - 1)
 
     def sample_uniforms(self, start: int, n: int) -> torch.Tensor:  # [n]
         """Uniforms for output positions start..start+n-1 (the same values whenever asked)."""

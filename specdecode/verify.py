@@ -1,12 +1,13 @@
-"""Lossless verification of draft chains and trees, as pure functions.
+"""Lossless verification of draft chains and trees: pure functions, and one verify step.
 
 Contract: given draft tokens, the processed distributions they were drawn from (q, or None for
 point-mass drafts), the target's processed distributions p at every verify-block row, and the
 randomness as uniforms in [0, 1), return a verdict whose emitted tokens are distributed exactly
-as sampling from p alone (METHODS.md section 1). All randomness comes from `uniforms`, so the
-same inputs give the same verdict and a test can run 1e5 trials in one call. p and q must come
-from `sampling.process_logits` with the request's params; at temperature 0 p is one-hot and
-every mode reduces to greedy: accept while the draft equals the argmax, then emit the argmax.
+as sampling from p alone (docs/methods.md, "Speculative sampling"). All randomness comes from
+`uniforms`, so the same inputs give the same verdict and a test can run 1e5 trials in one call.
+p and q must come from `sampling.process_logits` with the request's params; at temperature 0 p
+is one-hot and every mode reduces to greedy: accept while the draft equals the argmax, then
+emit the argmax.
 
 Names (as in vLLM): *accepted* drafts are kept; at the first rejection a *recovered* token is
 sampled from the residual norm(max(0, p - q)); when every draft is accepted a *bonus* token is
@@ -15,7 +16,13 @@ sampled from the next p; *emitted* = accepted + the recovered or bonus token.
 Uniform layout. Chain: `uniforms[:, k]` decides draft k (0-based), `uniforms[:, K]` samples the
 recovered / bonus token. Sample-then-match: `uniforms[:, k]` samples the target's token at
 block row k. Tree: `uniforms[:, i + 1]` decides node i (block row i + 1), `uniforms[:, 0]`
-samples the final token.
+samples the final token. `step_uniforms` lays a step's uniforms out from each request's
+random streams.
+
+The loop's entry point is `verify_step(proposal, logits, params, streams, positions, ...)`: it
+owns the uniforms, the greedy path (`verify_greedy`), chains and batched trees
+(`verify_tree_batch`, rows of different shapes), and returns one `Verdict` per request
+(emitted ids, kept verify-block rows, drafts verified, depth).
 
 Acceptance is tested as `u * q(x) < p(x)`, i.e. u < min(1, p(x) / q(x)) without a division.
 """
@@ -24,13 +31,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.config import SamplingParams
+from specdecode.drafter import Proposal
+from specdecode.sampling import process_logits_batch, sample
 from specdecode.tree import DraftTree, validate_parents
 
 __all__ = [
+    "Verdict",
+    "verify_step",
+    "verify_greedy",
+    "step_uniforms",
     "ChainVerdict",
     "TreeVerdict",
     "TreeBatchVerdict",
@@ -67,6 +81,7 @@ class TreeBatchVerdict:
     emitted_ids: torch.Tensor  # [B, D+1] long, -1 after the emitted tokens
     kept_rows: torch.Tensor  # [B, D+1] long, -1 after the kept rows
     num_emitted: torch.Tensor  # [B] long: num_accepted + 1
+    depth: torch.Tensor  # [B] long: depth of the row's deepest node (0 = no node)
 
 
 def _draft_mask(
@@ -188,7 +203,7 @@ def verify_chain_match(
 
 
 def verify_tree_batch(
-    parents: torch.Tensor | Sequence[int],  # [N] long, -1 = root; shared by the batch
+    parents: torch.Tensor | Sequence[int],  # [N] shared by the batch, or [B, N]; long, -1 = root
     tree_ids: torch.Tensor,  # [B, N] long: node tokens; -1 = node absent in this row
     draft_probs: torch.Tensor | None,  # [B, N, V] q at each node's parent; None if not iid
     target_probs: torch.Tensor,  # [B, N+1, V] p at block rows (row 0 = root)
@@ -202,36 +217,50 @@ def verify_tree_batch(
     iid=False (children chosen deterministically, e.g. top-k): point masses; accept w.p. p(c), on
     rejection zero p(c) and renormalise (sampling without replacement). Accepting c moves to c
     with p <- p at c's row. When no child is left, the final token is sampled from the current p.
+    Rows may carry trees of different shapes (`parents` [B, N]; absent nodes have id -1).
     """
-    par = parents.tolist() if isinstance(parents, torch.Tensor) else [int(x) for x in parents]
-    validate_parents(par)
+    B, N = tree_ids.shape
+    if isinstance(parents, torch.Tensor) and parents.dim() == 2:
+        par_rows = [row.tolist() for row in parents.cpu()]
+    else:
+        shared = parents.tolist() if isinstance(parents, torch.Tensor) else [int(x) for x in parents]
+        par_rows = [shared] * B
+    present = (tree_ids >= 0).cpu()  # [B, N]
+    for b, par in enumerate(par_rows):
+        n = int(present[b].sum()) if B else 0
+        if len(par) != N:
+            raise ValueError(f"verify_tree: parents has {len(par)} nodes per row, expected {N}")
+        validate_parents(par[:n] if n < N and not bool(present[b, n:].any()) else par)
     if iid and draft_probs is None:
         raise ValueError("iid tree verification needs draft_probs (q at each node's parent)")
-    B, N = tree_ids.shape
     V = target_probs.shape[-1]
     _check_shapes(
         "verify_tree",
-        parents=((len(par),), (N,)),
         target_probs=(target_probs.shape, (B, N + 1, V)),
         uniforms=(uniforms.shape, (B, N + 1)),
         draft_probs=(draft_probs.shape if draft_probs is not None else (B, N, V), (B, N, V)),
     )
     dev = tree_ids.device
-    depth = [0] * (N + 1)  # depth of every block row
-    for i, pa in enumerate(par):
-        depth[i + 1] = depth[pa + 1] + 1
-    D = max(depth)
+    depth_rows = []  # per row: depth of every block row
+    for par in par_rows:
+        d = [0] * (N + 1)
+        for i, pa in enumerate(par):
+            d[i + 1] = d[pa + 1] + 1 if pa < i else 0
+        depth_rows.append(d)
+    depth = torch.tensor(depth_rows, dtype=torch.long, device=dev).reshape(B, N + 1)  # [B, N+1]
+    par_t = torch.tensor(par_rows, dtype=torch.long, device=dev).reshape(B, N)  # [B, N]
+    D = int(depth.max()) if B else 0
     # On CPU the check "does any row test this node" is free and skips most of a wide tree.
     skip_untested = dev.type == "cpu"
 
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] block row of the current node
     p = target_probs[:, 0].float()  # [B, V] current target distribution (residual after rejects)
-    accepted_nodes = torch.full((B, D), -1, dtype=torch.long, device=dev)
+    accepted_nodes = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)  # column D: scratch
     # Index order visits a node's children in order, after the parent and after every earlier
     # sibling; a row tests node i only while its current node is i's parent.
-    for i, pa in enumerate(par):
+    for i in range(N):
         x = tree_ids[:, i]  # [B]
-        tested = (cur == pa + 1) & (x >= 0)
+        tested = (cur == par_t[:, i] + 1) & (x >= 0)
         if skip_untested and not bool(tested.any()):
             continue
         x = x.clamp_min(0)[:, None]  # [B, 1]
@@ -248,8 +277,9 @@ def verify_tree_batch(
         p = torch.where(reject[:, None], _normalised_or(residual, p), p)
         p = torch.where(accept[:, None], target_probs[:, i + 1].float(), p)
         cur = torch.where(accept, i + 1, cur)
-        col = depth[i + 1] - 1
-        accepted_nodes[:, col] = torch.where(accept, i, accepted_nodes[:, col])
+        col = torch.where(accept, depth[:, i + 1] - 1, D)[:, None]  # [B, 1]
+        accepted_nodes.scatter_(1, col, torch.full_like(col, i))
+    accepted_nodes = accepted_nodes[:, :D]
 
     final_ids = sample(p, uniforms[:, 0])  # [B]
     num_accepted = (accepted_nodes >= 0).sum(dim=1)  # [B]
@@ -268,6 +298,7 @@ def verify_tree_batch(
         emitted_ids=emitted,
         kept_rows=kept_rows,
         num_emitted=num_accepted + 1,
+        depth=(depth * torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), tree_ids >= 0], 1)).amax(1),
     )
 
 
@@ -301,3 +332,129 @@ def verify_tree(
         kept_rows=v.kept_rows[0, : a + 1],
         num_accepted=a,
     )
+
+
+# ---- one verify step of the loop: uniforms, greedy path, chains and trees -> one Verdict per row
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One request's outcome of a verify step."""
+
+    emitted_ids: list[int]  # accepted drafts, then the recovered or bonus token
+    kept_rows: list[int]  # verify-block rows whose cache entries stay: 0, then the accepted nodes' rows
+    num_draft: int  # drafts verified (chain length or tree nodes)
+    depth: int  # draft positions on the deepest path (a chain: num_draft)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.emitted_ids) - 1
+
+    @property
+    def accepted_nodes(self) -> list[int]:
+        """Draft indices on the accepted path (a chain: 0..num_accepted-1)."""
+        return [r - 1 for r in self.kept_rows[1:]]
+
+
+class RandomStream(Protocol):
+    """A request's randomness (request.RunningRequest): a generator for per-step uniforms and a
+    table of uniforms keyed by output position, for sampling the target's own token there."""
+
+    generator: torch.Generator
+
+    def sample_uniforms(self, start: int, n: int) -> torch.Tensor: ...  # [n]
+
+
+def step_uniforms(
+    streams: Sequence[RandomStream],
+    positions: Sequence[int],  # output position of each row's first emitted token
+    num_draft: Sequence[int],
+    k: int,
+    layout: str,  # "match", "chain" or "tree"
+) -> torch.Tensor:  # [B, K+1]
+    """The uniforms of one step, laid out as the verifier reads them (module docstring).
+
+    match: column j samples the target's token at output position t0 + j (keyed by position).
+    chain: n + 1 uniforms from the request's generator; column j decides draft j, column K
+    samples the recovered / bonus token. tree: n + 1 from the generator; column i + 1 decides
+    node i, column 0 samples the final token. A row without drafts samples position t0 from the
+    keyed table whatever the layout, exactly as plain decoding does, so a request consumes the
+    same randomness whatever its neighbours drafted.
+    """
+    uniforms = torch.zeros(len(streams), k + 1)
+    for b, (s, t0, n) in enumerate(zip(streams, positions, num_draft, strict=True)):
+        if layout == "match":
+            uniforms[b, : n + 1] = s.sample_uniforms(t0, n + 1)
+        elif n == 0:
+            uniforms[b, 0 if layout == "tree" else k] = s.sample_uniforms(t0, 1)[0]
+        else:
+            u = torch.rand(n + 1, generator=s.generator)
+            uniforms[b, : n + 1] = u
+            if layout == "chain":
+                uniforms[b, k] = u[n]
+    return uniforms
+
+
+def verify_greedy(
+    draft_ids: torch.Tensor,  # [B, K] long
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    num_draft: torch.Tensor,  # [B] long
+) -> ChainVerdict:
+    """T = 0: the exact limit of rejection sampling without building one-hot distributions
+    (accept while draft == argmax; the argmax after the last accepted draft is emitted)."""
+    target_ids = target_logits.argmax(dim=-1).cpu()  # [B, K+1]
+    k = draft_ids.shape[1]
+    valid = torch.arange(k)[None] < num_draft.cpu()[:, None]  # [B, K]
+    match = (draft_ids.cpu() == target_ids[:, :k]) & valid
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B]
+    emitted = torch.where(torch.arange(k + 1)[None] <= num_accepted[:, None], target_ids, -1)
+    return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
+
+
+def verify_step(
+    proposal: Proposal,
+    logits: torch.Tensor,  # [B, K+1, V'] the target's logits at the verify block (V' >= vocab_size)
+    params: Sequence[SamplingParams],
+    streams: Sequence[RandomStream],
+    positions: Sequence[int],  # output position of each row's first emitted token
+    vocab_size: int,
+    mode: str = "rejection",  # or "match": sample-then-match for chains
+) -> list[Verdict]:
+    """Verify one step's proposal for every row: greedy when every row is greedy, else chain
+    rejection sampling (sample-then-match for point-mass drafts or mode "match"), or recursive
+    rejection over a batch of trees. Lossless in every branch."""
+    num_draft = proposal.num_draft.cpu()  # [B]
+    nd = num_draft.tolist()
+    k = proposal.max_k
+    if proposal.parents is None and all(p.greedy for p in params):
+        v = verify_greedy(proposal.draft_ids, logits[..., :vocab_size], num_draft)
+        return _chain_verdicts(v, nd)
+    target_probs = process_logits_batch(logits, list(params), vocab_size)  # [B, K+1, V]
+    dev = target_probs.device
+    q = None if proposal.draft_probs is None else proposal.draft_probs.to(dev)  # [B, K, V]
+    if proposal.parents is not None:
+        tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
+        u = step_uniforms(streams, positions, nd, k, "tree").to(dev)
+        v = verify_tree_batch(proposal.parents, tree_ids.to(dev), q, target_probs, u, proposal.tree_iid)
+        kept = v.kept_rows.tolist()
+        emitted, depth = v.emitted_ids.tolist(), v.depth.tolist()
+        return [
+            Verdict(emitted[b][: a + 1], kept[b][: a + 1], nd[b], depth[b])
+            for b, a in enumerate(v.num_accepted.tolist())
+        ]
+    keyed = mode == "match" or q is None
+    u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain").to(dev)
+    draft_ids = proposal.draft_ids.to(dev)
+    if keyed:
+        v = verify_chain_match(draft_ids, target_probs, u, num_draft.to(dev))
+    else:
+        v = verify_chain(draft_ids, q, target_probs, u, num_draft.to(dev))
+    return _chain_verdicts(v, nd)
+
+
+def _chain_verdicts(v: ChainVerdict, num_draft: list[int]) -> list[Verdict]:
+    emitted = v.emitted_ids.tolist()
+    return [
+        Verdict(emitted[b][: a + 1], list(range(a + 1)), num_draft[b], num_draft[b])
+        for b, a in enumerate(v.num_accepted.tolist())
+    ]

@@ -8,12 +8,13 @@ from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafter import Proposal
 from specdecode.drafters.ar import ARDrafter
-from specdecode.drafters.base import Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.models.loader import load_model
 from specdecode.policy import AdaptiveK, FixedK
+from specdecode.verify import Verdict
 
 
 class ShiftedDrafter(DraftModelDrafter):
@@ -217,20 +218,20 @@ class SiblingTreeDrafter(DraftModelDrafter):
             draft_ids=ids, num_draft=2 * prop.num_draft, parents=parents, tree_iid=False, extras=prop.extras
         )
 
-    def advance(self, batch, proposal, num_accepted, target_out):
+    def advance(self, batch, proposal, verdicts, target_out):
         if proposal.parents is None:  # a step without drafts
-            return super().advance(batch, proposal, num_accepted, target_out)
+            return super().advance(batch, proposal, verdicts, target_out)
         # Drafts the drafter fed itself are only valid along the chain (odd node indices).
-        chain_acc = []
-        for nodes in proposal.accepted_nodes:
+        chain_verdicts = []
+        for v in verdicts:
             run = 0
-            for node in nodes:
+            for node in v.accepted_nodes:
                 if node % 2 == 0:
                     break
                 run += 1
-            chain_acc.append(run)
+            chain_verdicts.append(Verdict([0] * (run + 1), list(range(run + 1)), v.num_draft // 2, v.depth))
         chain = Proposal(draft_ids=proposal.draft_ids[:, 1::2], num_draft=proposal.extras["chain_len"])
-        super().advance(batch, chain, chain_acc, target_out)
+        super().advance(batch, chain, chain_verdicts, target_out)
 
 
 def test_tree_proposals_are_exact_and_accept_along_the_tree(tiny):

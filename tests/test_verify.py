@@ -16,9 +16,16 @@ import torch
 from scipy import stats
 
 from specdecode.config import SamplingParams
+from specdecode.drafter import Proposal
 from specdecode.sampling import draw_uniforms, process_logits, sample
-from specdecode.tree import DraftTree, tree_from_paths
-from specdecode.verify import verify_chain, verify_chain_match, verify_tree, verify_tree_batch
+from specdecode.tree import DraftTree, tree_depths, tree_from_paths
+from specdecode.verify import (
+    verify_chain,
+    verify_chain_match,
+    verify_step,
+    verify_tree,
+    verify_tree_batch,
+)
 
 # p at block rows 0..2 and q at rows 0..1 for the hand-computed chain cases (V = 3).
 P3 = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
@@ -436,3 +443,95 @@ def test_shape_errors_name_the_argument():
     tree = DraftTree(tokens=torch.tensor([0, 1]), parents=torch.tensor([-1, 0]))
     with pytest.raises(ValueError, match="draft_probs has shape"):
         verify_tree(tree, P3, Q2[:1], torch.zeros(3), iid=True)
+
+
+# ---------------------------------------------------------------- 6. the loop's verify step
+def _random_tree(g, n: int) -> list[int]:
+    return [int(torch.randint(-1, i, (1,), generator=g)) if i > 0 else -1 for i in range(n)]
+
+
+@pytest.mark.parametrize("iid", [True, False])
+def test_tree_batch_of_different_shapes_equals_each_tree_alone(iid):
+    """Rows with their own parent arrays and node counts (absent nodes -1) verify exactly as each
+    tree does alone: batching trees changes nothing."""
+    g = torch.Generator().manual_seed(7)
+    B, N, V = 40, 8, 6
+    sizes = [int(torch.randint(0, N + 1, (1,), generator=g)) for _ in range(B)]
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    for b, n in enumerate(sizes):
+        parents[b, :n] = torch.tensor(_random_tree(g, n), dtype=torch.long)
+    p = _random_probs(g, (B, N + 1), V, top_k=4)
+    q = _random_probs(g, (B, N), V, top_k=4)
+    tokens = sample(q, torch.rand(B, N, generator=g))
+    tokens[::2] = p[torch.arange(0, B, 2)[:, None], parents[::2] + 1].argmax(-1)  # deep paths
+    tokens[torch.arange(N)[None] >= torch.tensor(sizes)[:, None]] = -1
+    u = torch.rand(B, N + 1, generator=g)
+    batch = verify_tree_batch(parents, tokens, q if iid else None, p, u, iid)
+    deepest = 0
+    for b, n in enumerate(sizes):
+        tree = DraftTree(tokens[b, :n], parents[b, :n])
+        one = verify_tree(tree, p[b, : n + 1], q[b, :n] if iid else None, u[b, : n + 1], iid=iid)
+        a = one.num_accepted
+        deepest = max(deepest, a)
+        assert int(batch.num_accepted[b]) == a
+        assert batch.emitted_ids[b, : a + 1].tolist() == one.emitted_ids.tolist()
+        assert batch.kept_rows[b, : a + 1].tolist() == one.kept_rows.tolist()
+        depth = 0 if n == 0 else int(tree_depths(parents[b, :n]).max())
+        assert int(batch.depth[b]) == depth
+    assert deepest >= 2  # the test exercised multi-node accepted paths
+
+
+class _Stream:
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self._table = torch.rand(64, generator=torch.Generator().manual_seed(seed + 1000))
+
+    def sample_uniforms(self, start: int, n: int) -> torch.Tensor:
+        return self._table[start : start + n]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_step_batch_equals_single(tree):
+    """A request's verdict does not depend on its neighbours (same seed, same proposal row)."""
+    g = torch.Generator().manual_seed(11)
+    B, K, V = 6, 4, 8
+    nd = torch.tensor([0, 4, 2, 4, 1, 3])
+    draft_ids = torch.randint(0, V, (B, K), generator=g)
+    q = _random_probs(g, (B, K), V, top_k=5)
+    logits = torch.randn(B, K + 1, V, generator=g) * 2
+    parents = None
+    if tree:
+        parents = torch.tensor([[-1, 0, 0, 1]] * B)
+    prop = Proposal(draft_ids=draft_ids, num_draft=nd, draft_probs=q, parents=parents, tree_iid=tree)
+    params = [SamplingParams(temperature=1.0)] * B
+    together = verify_step(prop, logits, params, [_Stream(b) for b in range(B)], [3] * B, V)
+    for b in range(B):
+        row = Proposal(
+            draft_ids=draft_ids[b : b + 1],
+            num_draft=nd[b : b + 1],
+            draft_probs=q[b : b + 1],
+            parents=None if parents is None else parents[b : b + 1],
+            tree_iid=tree,
+        )
+        alone = verify_step(row, logits[b : b + 1], params[:1], [_Stream(b)], [3], V)[0]
+        assert alone == together[b]
+        v = together[b]
+        assert v.num_draft == int(nd[b]) and len(v.kept_rows) == v.num_accepted + 1
+        assert 0 <= v.num_accepted <= v.depth <= v.num_draft
+
+
+def test_verify_step_greedy_is_the_argmax_path():
+    g = torch.Generator().manual_seed(12)
+    B, K, V = 5, 3, 7
+    logits = torch.randn(B, K + 1, V + 2, generator=g)  # the head has 2 rows past the vocabulary
+    logits[..., V:] = 50.0  # rows the tokenizer cannot emit must never win
+    argmax = logits[..., :V].argmax(-1)
+    drafts = argmax[:, :K].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1 diverges at draft 2
+    prop = Proposal(draft_ids=drafts, num_draft=torch.tensor([3, 3, 0, 2, 3]))
+    params = [SamplingParams(temperature=0.0)] * B
+    verdicts = verify_step(prop, logits, params, [_Stream(b) for b in range(B)], [0] * B, V)
+    assert [v.num_accepted for v in verdicts] == [3, 1, 0, 2, 3]
+    for b, v in enumerate(verdicts):
+        assert v.emitted_ids == argmax[b, : v.num_accepted + 1].tolist()
+        assert v.kept_rows == list(range(v.num_accepted + 1))

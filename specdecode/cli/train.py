@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from specdecode.cli import options
-from specdecode.drafters.dspark.calibrate import calibrate as fit_temperatures
-from specdecode.drafters.dspark.calibrate import format_table
+from specdecode.training.calibrate import calibrate as fit_temperatures
+from specdecode.training.calibrate import format_table
 from specdecode.training.run import run_training
 from specdecode.training.trainer import TrainConfig
 

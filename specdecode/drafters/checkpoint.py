@@ -12,7 +12,8 @@ Contract:
   `build(arch)`, weights loaded (`defaults(net)` fills tensors older checkpoints lack), moved to the
   target's device in `drafter_dtype(target)`: what every learned drafter's loader starts with.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
-  that target and method, or None.
+  that target and method, or None; `checkpoint_path(kind, target, spec)` -> `spec` or that
+  shipped directory, refusing with what to do when there is neither.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats import BUCKETS
 
 FORMAT = 1
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -50,8 +53,6 @@ def save_checkpoint(
     training: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -115,8 +116,6 @@ def check_target(cfg: dict, target, where: str) -> None:
 
 
 def load_checkpoint(path: str | Path, method: str, target) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     cfg = read_config(path)
     if cfg["method"] != method:
         raise SpecDecodeError(
@@ -141,15 +140,27 @@ def shipped_drafter(method: str, target) -> Path | None:
     return None
 
 
-def drafter_dtype(target) -> torch.dtype:
-    """The target's dtype, except fp32 on CPUs without native bf16 products (a small net gains
-    nothing from bf16 there and its matmuls run on a slow generic kernel)."""
-    from specdecode.models.native import cpu_has_fast_bf16
+def checkpoint_path(kind: str, target, spec) -> Path:
+    """`--drafter DIR`, else the drafter shipped for (kind, target); refuses when neither exists."""
+    path = spec or shipped_drafter(kind, target)
+    if path is None:
+        raise SpecDecodeError(
+            f"no {kind} drafter ships for target {target.name!r}; train one with "
+            f"`specdecode train {kind} --target {target.name} --data DIR --out DIR` and pass --drafter DIR"
+        )
+    return Path(path)
 
+
+def drafter_dtype(target) -> torch.dtype:
+    """The format a drafter network runs in: on CPU, bf16 only where the target's formats (measured
+    by `--dtype auto`, or forced) run products of a few rows in bf16, else fp32; drafters multiply
+    blocks of rows (a draft block, a tree level), so the format that wins at 8 rows is theirs.
+    Decided from the target's format plan, never from CPU flags. Elsewhere: the target's dtype."""
     info = target.model.info
-    if info.device.type == "cpu" and info.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
-        return torch.float32
-    return info.dtype
+    plan = getattr(target.model, "plan", None)
+    if info.device.type != "cpu" or info.dtype != torch.bfloat16 or plan is None:
+        return info.dtype
+    return torch.bfloat16 if plan.kernels[BUCKETS.index(8)].startswith("bf16") else torch.float32
 
 
 def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module:

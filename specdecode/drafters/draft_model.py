@@ -7,15 +7,27 @@ for rejection sampling. The drafter's cache always holds a prefix of the committ
 each round it first feeds the committed tokens it has not seen (after a full accept that
 includes its own last draft), and after verification it keeps the rows of accepted drafts
 and rolls the rest back by not advancing.
+
+The distilled draft model (`specdecode train draft`, training/methods/draft.py) is this drafter
+over a few-layer `NativeDecoder` made from the target's config: its checkpoint stores only the
+layers and the final norm; the embedding and the head are the target's own tensors.
+`load_distilled(path, target)` builds it (or refuses a checkpoint made for another target).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafter import Drafter, DraftRow, Method, Proposal, empty_proposal
+from specdecode.drafters.checkpoint import drafter_dtype, is_checkpoint, load_checkpoint, shipped_drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model, same_tokenizer
+from specdecode.models.native import NativeDecoder
 from specdecode.sampling import process_logits_batch, sample
+from specdecode.verify import Verdict
 
 
 class DraftModelDrafter(Drafter):
@@ -112,10 +124,79 @@ class DraftModelDrafter(Drafter):
         num = torch.tensor([max(k, 0) for k in num_draft], dtype=torch.long)
         return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
 
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         for b, row in enumerate(batch):
             if row.slot not in self._base_len:
                 continue
             base = self._base_len.pop(row.slot)
             fed = proposal.max_k - 1  # drafts x_1..x_{K-1} were written to the draft cache
-            self.cache.lengths[row.slot] = base + min(num_accepted[b], fed)
+            self.cache.lengths[row.slot] = base + min(verdicts[b].num_accepted, fed)
+
+
+# ---- the distilled draft model (`specdecode train draft`): layers + norm from a checkpoint ----
+def _embed_weight(target) -> torch.Tensor:
+    m = target.model
+    return m.embed_tokens if hasattr(m, "embed_tokens") else m.model.get_input_embeddings().weight
+
+
+def small_config(target_config, num_layers: int):
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    return cfg
+
+
+def _drafter(
+    target, state: dict, num_layers: int, dtype: torch.dtype, fingerprint: str = ""
+) -> DraftModelDrafter:
+    tensors = dict(state)
+    tensors["model.embed_tokens.weight"] = _embed_weight(target)
+    if not getattr(target.config, "tie_word_embeddings", False):
+        tensors["lm_head.weight"] = target.model.lm_head_weight()
+    small = NativeDecoder.from_hf(
+        small_config(target.config, num_layers), tensors, dtype, target.model.info.device
+    )
+    return DraftModelDrafter(small, target.vocab_size, target.model.info.vocab_size, fingerprint=fingerprint)
+
+
+def load_distilled(path, target) -> DraftModelDrafter:
+    arch, state = load_checkpoint(path, "draft", target)
+    return _drafter(target, state, arch["num_layers"], drafter_dtype(target), fingerprint=f"draft:{path}")
+
+
+# Default drafter model per target alias for the classic draft-model method.
+DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+def load_draft_model(variant: str, target, spec, dtype="auto", device=None) -> Drafter:
+    """`--drafter MODEL` (alias, directory or hub id with the target's tokenizer) or a distilled
+    checkpoint; else the target's default drafter model or its shipped distilled drafter."""
+    spec = spec or DEFAULT_DRAFT_MODEL.get(target.name) or shipped_drafter("draft", target)
+    if spec is not None and is_checkpoint(spec):  # a draft model distilled by `specdecode train draft`
+        return load_distilled(spec, target)
+    if spec is None:
+        raise SpecDecodeError(
+            f"--method draft needs a drafter model for target {target.name!r}: pass --drafter MODEL "
+            "(an alias, a Hugging Face directory or hub id of a smaller model with the same tokenizer)"
+        )
+    small = load_model(spec, dtype=dtype, device=device)
+    if not same_tokenizer(small.tokenizer, target.tokenizer):
+        raise SpecDecodeError(
+            f"drafter {spec!r} uses a different tokenizer than target {target.name!r}; "
+            "a draft model must share the target's tokenizer (same vocabulary and special tokens)"
+        )
+    # cost_per_token is measured by the adaptive policy's profile (build.py), keyed by this
+    # fingerprint; FixedK ignores it.
+    return DraftModelDrafter(
+        small.model, target.vocab_size, target.model.info.vocab_size, fingerprint=small.fingerprint
+    )
+
+
+METHOD = Method(
+    name="draft",
+    variants={"draft": 5},
+    load=load_draft_model,
+    task="draft",
+    summary="a smaller LM with the target's tokenizer, or a distilled few-layer copy of the target",
+)

@@ -18,16 +18,51 @@ Contract:
   maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
 - `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
   every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
+- `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
+  (the checkpoint's config.json "arch"; JSON lists become the tuples the fields declare).
+- `ReducedHead`: mixin for a network with a head over the draft vocabulary (`self.head`,
+  buffer `self.d2t`): `init_from_target(head_weight, d2t)` starts the head from the target
+  head's rows of the draft vocabulary.
 Legend: B batch, N query rows, M key rows, H heads, Hk KV heads, D head dim, d model width.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.sampling import process_logits_batch
+
 RMSNorm = nn.RMSNorm
+
+
+class DraftConfig:
+    """Base of a drafter architecture dataclass: JSON round trip for checkpoints."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]):
+        tuples = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple")}
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in d.items()})
+
+
+class ReducedHead:
+    """Mixin for a network whose `head` predicts the draft vocabulary `d2t` (target ids)."""
+
+    head: nn.Linear
+    d2t: torch.Tensor
+
+    def init_from_target(self, head_weight: torch.Tensor, d2t: torch.Tensor) -> None:
+        """Draft head rows start as the target head's rows of the draft vocabulary."""
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.head.weight.copy_(head_weight[d2t].float())
 
 
 def rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +153,6 @@ class DraftVocab:
         self.off = off if bool(off.any()) else None
 
     def probs(self, small_logits: torch.Tensor, params: list) -> torch.Tensor:  # [B, N, Vd] -> same
-        from specdecode.sampling import process_logits_batch
 
         x = small_logits.float()
         if self.off is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal
+from specdecode.drafter import Drafter, DraftRow, Method, Proposal
 from specdecode.errors import SpecDecodeError
 
 
@@ -56,3 +56,12 @@ class NgramDrafter(Drafter):
             draft_ids[b, : len(c)] = torch.from_numpy(c)
         num_draft_t = torch.tensor([len(c) for c in conts], dtype=torch.long)
         return Proposal(draft_ids=draft_ids, num_draft=num_draft_t, draft_probs=None)
+
+
+METHOD = Method(
+    name="ngram",
+    variants={"ngram": 6},
+    load=lambda variant, target, spec, **kw: NgramDrafter(),
+    needs_drafter=False,
+    summary="prompt lookup: no model, drafts the continuation of the latest matching n-gram",
+)

@@ -22,10 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from specdecode.drafters.checkpoint import WEIGHTS, load_checkpoint, read_config, save_checkpoint
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import specforge, speculators, zlab
-from specdecode.interop.common import read_json, read_weights
+from specdecode.interop.common import read_json, read_weights, verifier_facts
 
 __all__ = ["FORMATS", "detect_layout", "export_drafter", "import_drafter", "write_native"]
 
@@ -57,15 +59,12 @@ def export_drafter(
     target=None,  # LoadedModel, optional
     num_speculative_tokens: int | None = None,
 ) -> Path:
-    from specdecode.drafters.checkpoint import WEIGHTS, read_config
-
     if fmt not in FORMATS:
         raise SpecDecodeError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     src = Path(checkpoint_dir)
     cfg = read_config(src)
     if target is not None and cfg["target"].get("fingerprint") != target.fingerprint:
         raise SpecDecodeError(f"{src} was trained for {cfg['target'].get('name')!r}, not for {target.name!r}")
-    from safetensors.torch import load_file
 
     if not (src / WEIGHTS).is_file():
         raise SpecDecodeError(f"{src} has no {WEIGHTS}")
@@ -77,8 +76,6 @@ def export_drafter(
         return speculators.export(cfg, state, out, verifier_name_or_path, target, num_speculative_tokens)
     facts = None
     if target is not None:
-        from specdecode.interop.common import verifier_facts
-
         facts = verifier_facts(None, target)
     return specforge.export(cfg, state, out, (facts or {}).get("max_position_embeddings", 4096))
 
@@ -95,8 +92,6 @@ def import_drafter(path, target) -> tuple[str, dict, dict[str, torch.Tensor]]:
             "(`DFlashDraftModel` + `dflash_config`) or a SpecForge EAGLE-3 (`LlamaForCausalLMEagle3`)"
         )
     if layout == "specdecode":
-        from specdecode.drafters.checkpoint import load_checkpoint, read_config
-
         method = read_config(p)["method"]
         arch, state = load_checkpoint(p, method, target)
         return method, arch, state
@@ -106,8 +101,6 @@ def import_drafter(path, target) -> tuple[str, dict, dict[str, torch.Tensor]]:
 
 
 def write_native(path, target, out_dir) -> Path:
-    from specdecode.drafters.checkpoint import save_checkpoint
-
     method, arch, state = import_drafter(path, target)
     floats = [v.dtype for v in state.values() if v.is_floating_point()]
     dtype = floats[0] if floats else torch.bfloat16

@@ -24,7 +24,9 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from specdecode.assets import MODELS, is_installed, model_dir
 from specdecode.errors import SpecDecodeError
 
 
@@ -41,8 +43,6 @@ def read_json(path: Path) -> dict:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise SpecDecodeError(
@@ -123,8 +123,6 @@ def verifier_facts(name_or_path: str | None, target=None) -> dict | None:
     elif name_or_path:
         candidates = [Path(name_or_path).expanduser()]
         try:
-            from specdecode.assets import MODELS, is_installed, model_dir
-
             if name_or_path in MODELS and is_installed(name_or_path):
                 candidates.append(Path(model_dir(name_or_path)))
         except ImportError:

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import dflash_family, eagle3
@@ -54,8 +55,6 @@ def import_(path: Path, cfg: dict, state: dict[str, torch.Tensor], target) -> tu
 
 
 def export(cfg: dict, state: dict[str, torch.Tensor], out: Path, max_position: int = 4096) -> Path:
-    from safetensors.torch import save_file
-
     method, arch = cfg["method"], cfg["arch"]
     if method in ("dflash", "dspark"):
         dflash_family.refuse(f"the {method} drafter", dflash_family.export_refusal(method, arch, state))

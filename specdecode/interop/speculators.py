@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import dflash_family, eagle3
@@ -53,8 +54,6 @@ def export(
     target=None,  # LoadedModel, optional
     num_speculative_tokens: int | None = None,
 ) -> Path:
-    from safetensors.torch import save_file
-
     method, arch = cfg["method"], cfg["arch"]
     if method in ("dflash", "dspark"):
         dflash_family.refuse(f"the {method} drafter", dflash_family.export_refusal(method, arch, state))

@@ -22,6 +22,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdecode.errors import SpecDecodeError
+
 # Capture key of the final normed hidden state (the LM head's input).
 FINAL_NORM = -1
 
@@ -106,8 +108,6 @@ def host_list(x: torch.Tensor | Sequence[int] | int | None, n: int | None = None
 
 def check_capture(capture: Sequence[int], num_layers: int) -> tuple[int, ...]:
     """Validate capture keys: decoder layers 0..num_layers-1, or -1 for the final normed state."""
-    from specdecode.errors import SpecDecodeError
-
     keys = tuple(int(c) for c in capture)
     for c in keys:
         if c != FINAL_NORM and not 0 <= c < num_layers:
@@ -132,8 +132,6 @@ def chunked_prefill(
     Returns the logits of each row's last valid token, `[B, 1, V]` fp32, and the requested
     hidden states for every prompt position, `[B, P, d]` (padded positions hold garbage).
     """
-    from specdecode.errors import SpecDecodeError
-
     B, P = input_ids.shape
     slot_list = host_list(slots)
     counts = host_list(num_new) or [P] * B

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.assets import cache_dir
 from specdecode.errors import SpecDecodeError
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # rows M of a product: one step ... a prefill chunk
@@ -286,7 +287,6 @@ def auto_plan(
     """The measured plan for these shapes on this machine (cached); returns (plan, record)."""
     if device.type != "cpu":
         return forced_plan("bf16"), {"reason": f"{device.type}: bf16 tensor cores"}
-    from specdecode.assets import cache_dir
 
     ident = [
         torch.__version__,

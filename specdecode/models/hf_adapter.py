@@ -43,7 +43,7 @@ class HFCache(CacheState):
     """One-slot cache over a transformers DynamicCache (see module docstring)."""
 
     def __init__(self, config, max_len: int) -> None:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: importing transformers takes seconds
         from transformers.cache_utils import DynamicLayer
 
         super().__init__(1, max_len)

@@ -31,8 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from specdecode import assets
 from specdecode.errors import SpecDecodeError
+from specdecode.models import formats
+from specdecode.models.hf_adapter import HFAdapter
+from specdecode.models.native import NativeDecoder
+from specdecode.models.native_spec import NATIVE_MODEL_TYPES
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 FORMATS = ("auto", "int8", "int4")  # dtype values that pick weight formats (NativeDecoder only)
@@ -82,7 +88,7 @@ def load_model(
     torch_dtype = torch.float32 if fmt else resolve_dtype(dtype)
     name = str(spec)
     path = resolve_path(name)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: importing transformers takes seconds
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -92,9 +98,9 @@ def load_model(
         ) from e
     tokenizer = load_tokenizer(path)
     archs = tuple(getattr(config, "architectures", None) or ())
-    if any(a in NATIVE_ARCHITECTURES for a in archs) or (not archs and config.model_type in _native_types()):
-        from specdecode.models.native import NativeDecoder
-
+    if any(a in NATIVE_ARCHITECTURES for a in archs) or (
+        not archs and config.model_type in NATIVE_MODEL_TYPES
+    ):
         model = NativeDecoder.from_hf(config, open_checkpoint(path), torch_dtype, dev)
         if fmt:
             model.use_formats(_plan(fmt, model))
@@ -129,8 +135,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def _plan(fmt: str, model):
     """The weight-format plan for `--dtype fmt` on a NativeDecoder (measured for `auto`)."""
-    from specdecode.models import formats
-
     if fmt != "auto":
         return formats.forced_plan(fmt, model.info.device)
     s = model.spec
@@ -152,9 +156,7 @@ def resolve_path(spec: str) -> Path:
     if not spec.strip():
         raise SpecDecodeError(f"no model given; {_alias_hint(aliases)}")
     if aliases is not None and spec in aliases:
-        from specdecode.assets import ensure_model
-
-        return Path(ensure_model(spec))
+        return Path(assets.ensure_model(spec))
     local = Path(spec).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -163,7 +165,7 @@ def resolve_path(spec: str) -> Path:
     if not _HUB_ID.match(spec) or spec.startswith((".", "~")):
         raise SpecDecodeError(f"model path {spec!r} does not exist; {_alias_hint(aliases)}")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # deferred: only for hub ids
 
         patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
         return Path(snapshot_download(repo_id=spec, allow_patterns=patterns))
@@ -175,7 +177,7 @@ def resolve_path(spec: str) -> Path:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: importing transformers takes seconds
 
     try:
         return AutoTokenizer.from_pretrained(path)
@@ -234,12 +236,8 @@ def eos_token_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
 
 # ---- internals ----------------------------------------------------------------------------------
 def _aliases() -> list[str] | None:
-    """Alias names from specdecode.assets, or None when that module is unavailable."""
-    try:
-        from specdecode.assets import MODELS
-    except ImportError:
-        return None
-    return [str(getattr(m, "alias", m)) for m in MODELS]
+    """Alias names of the embedded models (specdecode.assets)."""
+    return [str(getattr(m, "alias", m)) for m in assets.MODELS]
 
 
 def _alias_hint(aliases: list[str] | None) -> str:
@@ -248,18 +246,10 @@ def _alias_hint(aliases: list[str] | None) -> str:
     return "known aliases: " + ", ".join(aliases)
 
 
-def _native_types() -> tuple[str, ...]:
-    from specdecode.models.native import NATIVE_MODEL_TYPES
-
-    return NATIVE_MODEL_TYPES
-
-
 class _Tensors(Mapping):
     """Lazy name -> tensor view of a checkpoint's safetensors files (read on access)."""
 
     def __init__(self, files: dict[str, Path]) -> None:
-        from safetensors import safe_open
-
         self._handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in set(files.values())}
         self._where = files
 
@@ -281,8 +271,6 @@ def open_checkpoint(p: Path) -> Mapping[str, torch.Tensor]:
         return _Tensors({k: p / v for k, v in weight_map.items()})
     files = sorted(p.glob("*.safetensors"))
     if files:
-        from safetensors import safe_open
-
         where = {}
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as h:
@@ -298,9 +286,7 @@ def open_checkpoint(p: Path) -> Mapping[str, torch.Tensor]:
 
 
 def _load_hf(path: Path, config, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    from specdecode.models.hf_adapter import HFAdapter
+    from transformers import AutoModelForCausalLM  # deferred: importing transformers takes seconds
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -24,7 +24,6 @@ H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -43,95 +42,9 @@ from specdecode.models.base import (
 )
 from specdecode.models.formats import FormatPlan, Linear, forced_plan
 from specdecode.models.kv_cache import KVCache
+from specdecode.models.native_spec import NativeSpec
 
-NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 WINDOW_FACTOR = 2  # attend over a slot range in place while it holds at most this many slots per row
-
-
-@dataclass(frozen=True)
-class NativeSpec:
-    """The architecture facts NativeDecoder needs, read once from a transformers config."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int  # d
-    intermediate_size: int  # I
-    num_heads: int  # H
-    num_kv_heads: int  # Hk
-    head_dim: int  # D
-    vocab_size: int  # V
-    rms_norm_eps: float
-    max_position: int
-    tie_word_embeddings: bool
-    qk_norm: bool  # qwen3
-    inv_freq: tuple[float, ...]  # [D/2] RoPE inverse frequencies (after scaling)
-    sliding_window: int | None  # when set, caches longer than this are refused
-
-    @classmethod
-    def from_config(cls, config) -> NativeSpec:
-        mt = getattr(config, "model_type", None)
-        if mt not in NATIVE_MODEL_TYPES:
-            raise SpecDecodeError(f"NativeDecoder supports {NATIVE_MODEL_TYPES}, not model_type {mt!r}")
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise SpecDecodeError(
-                f"NativeDecoder supports the SiLU MLP only, this config has hidden_act={act!r}"
-            )
-        d, h = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or d // h
-        window = None
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or (
-            mt == "mistral" and getattr(config, "sliding_window", None)
-        ):
-            window = getattr(config, "sliding_window", None)
-        return cls(
-            model_type=mt,
-            num_layers=config.num_hidden_layers,
-            hidden_size=d,
-            intermediate_size=config.intermediate_size,
-            num_heads=h,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or h,
-            head_dim=head_dim,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=float(config.rms_norm_eps),
-            max_position=int(getattr(config, "max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qk_norm=mt == "qwen3",
-            inv_freq=tuple(rope_inv_freq(config, head_dim).tolist()),
-            sliding_window=window,
-        )
-
-
-def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
-    """[D/2] fp32 inverse frequencies for the config's rope type (default, linear, llama3)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None)  # transformers 4.x configs
-    if isinstance(legacy, dict):
-        params = {**legacy, **params}
-    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise SpecDecodeError("partial rotary embeddings are not supported by NativeDecoder")
-    # Same expression as transformers, so fp32 results agree bit for bit.
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope_type == "default":
-        return inv
-    if rope_type == "linear":
-        return inv / params["factor"]
-    if rope_type == "llama3":
-        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
-        return torch.where(medium, smoothed, scaled)
-    raise SpecDecodeError(
-        f"rope type {rope_type!r} is not supported natively (default, linear, llama3 are); "
-        "this model cannot be used as a native target"
-    )
 
 
 class _Layer(nn.Module):
@@ -167,15 +80,6 @@ class _Plan:
     # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
     window: torch.Tensor | None = None  # [B] long: row of each request in the range
     window_size: int = 0  # R
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU multiplies bf16 matrices natively (AMX or AVX512-BF16)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 class NativeDecoder(nn.Module):

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specdecode.assets import cache_dir
+
 CONTEXT = 256
 
 
@@ -72,8 +74,6 @@ def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
 
 def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
     """Cached `measure_step_costs` (re-measured when more tokens are asked for)."""
-    from specdecode.assets import cache_dir
-
     path = cache_dir() / "profiles" / f"{_key(model, fingerprint)}.json"
     try:
         costs = json.loads(path.read_text())["costs"]
@@ -156,8 +156,6 @@ def batch_step_costs(
     model, fingerprint: str, rows: Sequence[int], blocks: Sequence[int], contexts: Sequence[int]
 ) -> list[list[list[float]]]:
     """Cached `measure_batch_costs` for this grid."""
-    from specdecode.assets import cache_dir
-
     grid = f"v2|rows={list(rows)}|blocks={list(blocks)}|contexts={list(contexts)}"
     key = hashlib.sha256(f"{_key(model, fingerprint)}|{grid}".encode()).hexdigest()[:24]
     path = cache_dir() / "profiles" / f"batch-{key}.json"

@@ -19,8 +19,12 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.training.data import collate
 
 SHARD = 64  # sequences per cache shard
 
@@ -61,11 +65,6 @@ class FeatureCache:
         return self.root / f"shard-{i:05d}.safetensors"
 
     def build(self, seqs: list, batch_tokens: int = 4096, progress: bool = True) -> None:
-        from safetensors.torch import save_file
-        from tqdm import tqdm
-
-        from specdecode.training.data import collate
-
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             old = json.loads(meta_path.read_text())
@@ -109,8 +108,6 @@ class FeatureCache:
             os.replace(tmp, self._shard(sh))
 
     def _get(self, i: int, layer: int) -> torch.Tensor:
-        from safetensors import safe_open
-
         sh = i // SHARD
         if sh not in self._open:
             if not self._shard(sh).exists():

@@ -28,9 +28,13 @@ import time
 import zlib
 from pathlib import Path
 
+from tqdm import tqdm
+
+from specdecode.chat import PromptItem, derive_seed, encode_prompt
 from specdecode.config import SamplingParams
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters.ar import ARDrafter
 from specdecode.errors import SpecDecodeError
-from specdecode.prompts import PromptItem, derive_seed, encode_prompt
 
 SPLITS = ("train", "heldout")
 META = "meta.json"
@@ -119,11 +123,6 @@ def regenerate(
 ) -> dict:
     """Let the target answer the prompt set (see module docstring); returns a summary
     (answers, tokens, seconds, tokens/s, skipped prompts)."""
-    from tqdm import tqdm
-
-    from specdecode.decode import GenerationRequest, SpeculativeDecoder
-    from specdecode.drafters.ar import ARDrafter
-
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     if max_new_tokens < 1 or batch_size < 1 or samples < 1:
         raise SpecDecodeError("--max-new-tokens, --batch-size and --samples must be >= 1")

@@ -35,9 +35,14 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters.checkpoint import save_checkpoint
 from specdecode.errors import SpecDecodeError
+from specdecode.policy import FixedK
 from specdecode.training.data import collate, plan_batches
+from specdecode.training.features import TargetFeatures
 
 STATE = "trainer.pt"
 
@@ -107,9 +112,6 @@ def _save_atomic(obj, path: Path) -> None:
 @torch.no_grad()
 def evaluate(drafter, target, prompts: list[list[int]], num_draft: int, max_new_tokens: int) -> dict:
     """Served tau and acceptance of `drafter` in the real loop (greedy, fixed K)."""
-    from specdecode.decode import GenerationRequest, SpeculativeDecoder
-    from specdecode.policy import FixedK
-
     dec = SpeculativeDecoder(target, drafter, FixedK(num_draft), max_batch=min(8, len(prompts)))
     reqs = [
         GenerationRequest(prompt_ids=p, max_new_tokens=max_new_tokens, id=str(i))
@@ -142,11 +144,6 @@ def train(
     progress: bool = True,
 ) -> dict:
     """Train `task.module` on `seqs` (see module docstring); returns the final log record."""
-    from tqdm import tqdm
-
-    from specdecode.drafters.checkpoint import save_checkpoint
-    from specdecode.training.features import TargetFeatures
-
     rank, world = _dist()
     out = Path(cfg.out_dir)
     if rank == 0:

@@ -8,15 +8,15 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafter import DraftRow
 from specdecode.drafters import build_drafter
 from specdecode.drafters.ar import ARDrafter
-from specdecode.drafters.base import DraftRow
 from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load_dflash
 from specdecode.drafters.dflash.model import block_batch
 from specdecode.drafters.dspark import load_dspark
-from specdecode.drafters.dspark.calibrate import auroc, ece, fit_sts, labels, report, survival
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK
+from specdecode.training.calibrate import auroc, ece, fit_sts, labels, report, survival
 from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
 
@@ -180,7 +180,7 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     vocabulary (the drafter puts no mass outside its vocabulary); without it, p_t is
     renormalised on the draft vocabulary."""
     from specdecode.drafters.dspark.model import DSpark, dspark_loss
-    from specdecode.drafters.dspark.train import full_logsumexp
+    from specdecode.training.methods.dspark import full_logsumexp
 
     torch.manual_seed(0)
     cfg = DFlashConfig(
@@ -255,7 +255,7 @@ def test_sts_recovers_over_confident_positions():
 
 def test_a_constant_offset_needs_the_opt_in_bias():
     """Labels from sigmoid(z - 1.5): no temperature fixes a shifted logit; temperature + bias does."""
-    from specdecode.drafters.dspark.calibrate import BIAS_GRID
+    from specdecode.training.calibrate import BIAS_GRID
 
     g = torch.Generator().manual_seed(1)
     N, K = 20000, 2

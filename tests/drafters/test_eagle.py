@@ -67,7 +67,7 @@ def test_inference_states_match_the_training_unroll(tiny, trained, regen_dir):
     drafter.setup(1, 64)
     prompt = seq[: n + 1].tolist()
     drafter.start(0, prompt, {i: feats[i][0, :n] for i in net.cfg.feature_layers})
-    from specdecode.drafters.base import DraftRow
+    from specdecode.drafter import DraftRow
 
     drafter._catch_up([DraftRow(0, prompt, SamplingParams(), torch.Generator())], [0])
     torch.testing.assert_close(drafter._last[0], outs[0][0, n - 1], atol=1e-4, rtol=1e-4)

@@ -12,10 +12,10 @@ from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.mtp import load_mtp
-from specdecode.drafters.mtp.train import response_nll
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
 from specdecode.training.data import load_sequences
+from specdecode.training.methods.mtp import response_nll
 from specdecode.training.run import run_training
 
 

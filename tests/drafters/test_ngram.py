@@ -2,7 +2,7 @@ import numpy as np
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftRow
+from specdecode.drafter import DraftRow
 from specdecode.drafters.ngram import NgramDrafter, lookup_continuation
 
 

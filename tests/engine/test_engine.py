@@ -12,10 +12,9 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.engine import Engine, EngineClosed, QueueFull
 from specdecode.engine.metrics import Metrics
-from specdecode.policy import ConfidenceScheduler, StepCostModel
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
-from specdecode.policy import FixedK
+from specdecode.policy import ConfidenceScheduler, FixedK, StepCostModel
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.policy import ConfidenceScheduler, StepCostModel
 from specdecode.models.loader import load_model
-from specdecode.policy import FixedK, PolicyState
+from specdecode.policy import ConfidenceScheduler, FixedK, PolicyState, StepCostModel
 from specdecode.policy.profile import batch_step_costs
 
 

@@ -17,7 +17,7 @@ Contract:
 - `chi_square(counts, law, n)`: scipy.stats.chisquare of observed continuation counts against
   the exact expected counts; cells with expected < 5 are merged into one bin.
 - `VerifierSpy` wraps the verification functions the loop calls (the names in
-  specdecode.decode) and counts accepted drafts, recovered tokens (first rejection) and bonus
+  specdecode.verify) and counts accepted drafts, recovered tokens (first rejection) and bonus
   tokens (every draft accepted); `broken` makes it re-draw the token after a rejection from the
   target's p instead of the residual, the classic losslessness bug.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from scipy.stats import chisquare
 
-import specdecode.decode as decode_mod
+import specdecode.verify as verify_mod
 
 
 # ---- a peaked target ----------------------------------------------------------------------------
@@ -163,9 +163,9 @@ class VerifierSpy:
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1234))
 
     def install(self, monkeypatch) -> VerifierSpy:
-        monkeypatch.setattr(decode_mod, "verify_chain", self._chain(decode_mod.verify_chain))
-        monkeypatch.setattr(decode_mod, "verify_chain_match", self._match(decode_mod.verify_chain_match))
-        monkeypatch.setattr(decode_mod, "verify_tree", self._tree(decode_mod.verify_tree))
+        monkeypatch.setattr(verify_mod, "verify_chain", self._chain(verify_mod.verify_chain))
+        monkeypatch.setattr(verify_mod, "verify_chain_match", self._match(verify_mod.verify_chain_match))
+        monkeypatch.setattr(verify_mod, "verify_tree_batch", self._tree(verify_mod.verify_tree_batch))
         return self
 
     def summary(self) -> str:
@@ -208,24 +208,27 @@ class VerifierSpy:
         return verify_chain_match
 
     def _tree(self, real):
-        def verify_tree(tree, target_probs, draft_probs, uniforms, iid):
-            v = real(tree, target_probs, draft_probs, uniforms, iid)
+        def verify_tree_batch(parents, tree_ids, draft_probs, target_probs, uniforms, iid):
+            v = real(parents, tree_ids, draft_probs, target_probs, uniforms, iid)
             self.calls += 1
-            n, a = tree.num_nodes, v.num_accepted
-            self.accepted += a
-            self.multi += a >= 2
-            self.drafts[n] += 1
-            if n == 0:
-                self.plain += 1
-                return v
-            last = int(v.accepted_nodes[-1]) if a else -1
-            if bool((tree.parents == last).any()):  # children of the last node were all rejected
-                self.recovered += 1
-                if self.broken:
-                    u = torch.rand(1, generator=self.gen)
-                    v.emitted_ids[-1] = _draw(target_probs[last + 1][None], u)[0].to(v.emitted_ids)
-            else:
-                self.bonus += 1  # a leaf was accepted: the final token is a bonus
+            par = parents if parents.dim() == 2 else parents[None].expand(tree_ids.shape[0], -1)
+            for b in range(tree_ids.shape[0]):
+                n, a = int((tree_ids[b] >= 0).sum()), int(v.num_accepted[b])
+                self.accepted += a
+                self.multi += a >= 2
+                self.drafts[n] += 1
+                if n == 0:
+                    self.plain += 1
+                    continue
+                last = int(v.accepted_nodes[b, a - 1]) if a else -1
+                if bool((par[b, :n] == last).any()):  # children of the last node were all rejected
+                    self.recovered += 1
+                    if self.broken:
+                        u = torch.rand(1, generator=self.gen)
+                        p = target_probs[b, last + 1][None]
+                        v.emitted_ids[b, a] = _draw(p, u)[0].to(v.emitted_ids)
+                else:
+                    self.bonus += 1  # a leaf was accepted: the final token is a bonus
             return v
 
-        return verify_tree
+        return verify_tree_batch

@@ -45,8 +45,7 @@ from specdecode.drafters.layers import target_shape
 from specdecode.drafters.medusa import Medusa, MedusaConfig, MedusaDrafter
 from specdecode.drafters.mtp import MTP, MTPConfig, MTPDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.policy import ConfidenceScheduler, StepCostModel
-from specdecode.policy import FixedK
+from specdecode.policy import ConfidenceScheduler, FixedK, StepCostModel
 from specdecode.tree import tree_from_paths
 
 DEPTH = 4  # tokens of the joint law: K = 3 drafts and the bonus after them

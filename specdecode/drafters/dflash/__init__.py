@@ -1,12 +1,14 @@
 """DFlash (z-lab): block-diffusion drafter that fills a whole block in one forward pass.
 
-model.py holds the network and its training loss, drafter.py the inference side, train.py the
-trainer task. `load_dflash(path, target)` builds a ready drafter from a checkpoint directory.
+model.py holds the network and its training loss, drafter.py the inference side (its training
+task: training/methods/dflash.py). `load_dflash(path, target)` builds a ready drafter from a
+checkpoint directory.
 """
 
 from __future__ import annotations
 
-from specdecode.drafters.checkpoint import load_net
+from specdecode.drafter import Method
+from specdecode.drafters.checkpoint import checkpoint_path, load_net
 from specdecode.drafters.dflash.drafter import DFlashDrafter
 from specdecode.drafters.dflash.model import DFlash, DFlashConfig, dflash_layers
 
@@ -18,3 +20,13 @@ def load_dflash(path, target) -> DFlashDrafter:
     drafter = DFlashDrafter(net, target)
     drafter.fingerprint = f"dflash:{path}"
     return drafter
+
+
+METHOD = Method(
+    name="dflash",
+    variants={"dflash": 7},
+    load=lambda variant, target, spec, **kw: load_dflash(checkpoint_path("dflash", target, spec), target),
+    task="dflash",
+    checkpoint="dflash",
+    summary="block diffusion: a whole block of drafts in one forward",
+)

@@ -26,11 +26,12 @@ import time
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
+from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
 from specdecode.drafters.layers import DraftVocab
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
+from specdecode.verify import Verdict
 
 
 class DFlashDrafter(Drafter):
@@ -165,9 +166,9 @@ class DFlashDrafter(Drafter):
         )
 
     # ---- advance --------------------------------------------------------------------------
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         for b, row in enumerate(batch):
-            kept = torch.arange(num_accepted[b] + 1)  # the anchor and the accepted drafts
+            kept = torch.tensor(verdicts[b].kept_rows)  # the anchor and the accepted drafts
             feats = self._features(target_out.hidden, b, kept)
             if feats is not None:
                 self._pending.setdefault(row.slot, []).append(feats)

@@ -1,5 +1,5 @@
-"""DFlash block-diffusion drafter network and its training loss (METHODS.md section 6). DSpark
-(section 7, drafters/dspark/) reuses this backbone with the anchor-slot layout.
+"""DFlash block-diffusion drafter network and its training loss (docs/methods.md, "DFlash").
+DSpark (drafters/dspark/) reuses this backbone with the anchor-slot layout.
 
 Contract:
 - `DFlashConfig`: architecture fields (config.json). `feature_layers` are 5 target decoder layers
@@ -34,13 +34,21 @@ d width, H/Hk heads, D head dim, Vd draft vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, apply_rope, rope_table, target_shape
+from specdecode.drafters.layers import (
+    DraftAttention,
+    DraftConfig,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    rope_table,
+    target_shape,
+)
 
 
 def dflash_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -51,7 +59,7 @@ def dflash_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
 
 
 @dataclass
-class DFlashConfig:
+class DFlashConfig(DraftConfig):
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -75,15 +83,6 @@ class DFlashConfig:
     @property
     def num_drafts(self) -> int:
         return self.block_size - self.first_draft_slot
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> DFlashConfig:
-        d = dict(d)
-        d["feature_layers"] = tuple(d["feature_layers"])
-        return cls(**d)
 
     @classmethod
     def for_target(cls, info, config, draft_vocab_size: int, **kw) -> DFlashConfig:

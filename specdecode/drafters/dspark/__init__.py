@@ -2,7 +2,7 @@
 confidence head.
 
 model.py: network and loss; drafter.py: sequential sampling and confidence truncation;
-train.py: trainer task; calibrate.py: sequential temperature scaling (`specdecode calibrate`).
+training: training/methods/dspark.py; calibration (`specdecode calibrate`): training/calibrate.py.
 `load_dspark(path, target, ...)` builds a ready drafter from a checkpoint directory.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.checkpoint import load_net
+from specdecode.drafter import Method
+from specdecode.drafters.checkpoint import checkpoint_path, load_net
 from specdecode.drafters.dflash.model import DFlashConfig
 from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark
@@ -30,3 +31,18 @@ def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "su
     drafter = DSparkDrafter(net, target, confidence_threshold, threshold_on)
     drafter.fingerprint = f"dspark:{path}"
     return drafter
+
+
+def _load(variant, target, spec, confidence_threshold=None, threshold_on="survival", **kw) -> DSparkDrafter:
+    return load_dspark(checkpoint_path("dspark", target, spec), target, confidence_threshold, threshold_on)
+
+
+METHOD = Method(
+    name="dspark",
+    variants={"dspark": 7},
+    load=_load,
+    task="dspark",
+    options=("confidence_threshold", "threshold_on"),
+    checkpoint="dspark",
+    summary="DFlash backbone + Markov head + calibrated confidences for the scheduler",
+)

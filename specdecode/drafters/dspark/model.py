@@ -1,4 +1,4 @@
-"""DSpark network and loss (METHODS.md section 7): the DFlash backbone with the anchor-slot
+"""DSpark network and loss (docs/methods.md, "DSpark"): the DFlash backbone with the anchor-slot
 layout, a low-rank Markov head and a confidence head.
 
 Contract:

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal, gather_features
+from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
 from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import process_logits_batch, sample
+from specdecode.verify import Verdict
 
 
 @dataclass(frozen=True)
@@ -249,11 +250,8 @@ class EagleDrafter(Drafter):
         return [toks[i] for i in keep], [pos_of[pars[i]] if pars[i] >= 0 else -1 for i in keep]
 
     # ---- advance --------------------------------------------------------------------------
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         for b, row in enumerate(batch):
-            if proposal.accepted_nodes is not None and proposal.num_draft[b] > 0:
-                kept = [0] + [i + 1 for i in proposal.accepted_nodes[b]]
-            else:
-                kept = list(range(num_accepted[b] + 1))
-            feats = self._features(target_out.hidden, b, torch.tensor(kept))
+            kept = torch.tensor(verdicts[b].kept_rows)  # the anchor and the accepted path's rows
+            feats = self._features(target_out.hidden, b, kept)
             self._pending.setdefault(row.slot, []).append(feats)

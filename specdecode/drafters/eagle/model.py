@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter network and its training loss (METHODS.md section 5).
+"""EAGLE-3 drafter network and its training loss (docs/methods.md, "EAGLE-3").
 
 Contract:
 - `EagleConfig`: architecture fields stored in the checkpoint's config.json. `feature_layers`
@@ -20,17 +20,26 @@ Legend: B batch, T sequence rows, d width, Vd draft vocabulary, H/Hk heads, D he
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, rope_table, shifted_kl, target_shape
+from specdecode.drafters.layers import (
+    DraftAttention,
+    DraftConfig,
+    ReducedHead,
+    RMSNorm,
+    SwiGLU,
+    rope_table,
+    shifted_kl,
+    target_shape,
+)
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(DraftConfig):
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -42,15 +51,6 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> EagleConfig:
-        d = dict(d)
-        d["feature_layers"] = tuple(d["feature_layers"])
-        return cls(**d)
-
     @classmethod
     def for_target(cls, info, config, draft_vocab_size: int) -> EagleConfig:
         """EAGLE-3's layer choice: low = layer 1, middle = L/2 - 1, high = L - 4 (0-based)."""
@@ -61,7 +61,7 @@ class EagleConfig:
         )
 
 
-class Eagle3(nn.Module):
+class Eagle3(ReducedHead, nn.Module):
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -75,12 +75,6 @@ class Eagle3(nn.Module):
         self.norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # [Vd]
-
-    def init_from_target(self, head_weight: torch.Tensor, d2t: torch.Tensor) -> None:
-        """Draft head rows start as the target head's rows of the draft vocabulary."""
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.head.weight.copy_(head_weight[d2t].float())
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[B, T, 3d] target features (low ; mid ; high) -> [B, T, d]."""

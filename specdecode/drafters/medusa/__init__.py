@@ -1,11 +1,12 @@
 """Medusa (Cai et al. 2024): K heads on the target's last state; chain or static tree drafting.
 
-model.py: heads and loss; drafter.py: inference; train.py: the trainer task.
+model.py: heads and loss; drafter.py: inference; its training task is training/methods/medusa.py.
 """
 
 from __future__ import annotations
 
-from specdecode.drafters.checkpoint import load_net
+from specdecode.drafter import Method
+from specdecode.drafters.checkpoint import checkpoint_path, load_net
 from specdecode.drafters.medusa.drafter import MedusaDrafter, default_paths
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.tree import tree_from_paths
@@ -19,3 +20,15 @@ def load_medusa(path, target, tree: bool = False, num_nodes: int = 16) -> Medusa
     drafter = MedusaDrafter(net, target, tree=shape)
     drafter.fingerprint = f"medusa:{path}"
     return drafter
+
+
+METHOD = Method(
+    name="medusa",
+    variants={"medusa": 4, "medusa-tree": 16},
+    load=lambda variant, target, spec, **kw: load_medusa(
+        checkpoint_path("medusa", target, spec), target, tree=variant == "medusa-tree"
+    ),
+    task="medusa",
+    checkpoint="medusa",
+    summary="K heads on the target's last state; chain or static tree",
+)

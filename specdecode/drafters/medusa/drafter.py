@@ -20,9 +20,10 @@ import heapq
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.models.base import FINAL_NORM
 from specdecode.tree import StaticTree
+from specdecode.verify import Verdict
 
 
 def default_paths(num_nodes: int = 16, depth: int = 4, topk: int = 4) -> list[tuple[int, ...]]:
@@ -100,12 +101,8 @@ class MedusaDrafter(Drafter):
             num[b] = n
         return Proposal(draft_ids=ids, num_draft=num, parents=parents, tree_iid=False)
 
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         h = target_out.hidden[FINAL_NORM]  # [B, N, d]
         for b, row in enumerate(batch):
-            if proposal.accepted_nodes is not None and int(proposal.num_draft[b]) > 0:
-                nodes = proposal.accepted_nodes[b]
-                r = nodes[-1] + 1 if nodes else 0
-            else:
-                r = num_accepted[b]
+            r = verdicts[b].kept_rows[-1]  # the block row of the last accepted token
             self._state[row.slot] = h[b, r].to(self.device, self.dtype)

@@ -15,31 +15,24 @@ Legend: B batch, T rows, d width, K heads, Vd draft vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import shifted_kl
+from specdecode.drafters.layers import DraftConfig, ReducedHead, shifted_kl
 
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(DraftConfig):
     hidden_size: int
     num_heads: int
     draft_vocab_size: int
     target_vocab_size: int
 
-    def to_json(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_json(cls, d: dict) -> MedusaConfig:
-        return cls(**d)
-
-
-class Medusa(nn.Module):
+class Medusa(ReducedHead, nn.Module):
     def __init__(self, cfg: MedusaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -50,11 +43,6 @@ class Medusa(nn.Module):
             nn.init.zeros_(blk.bias)
         self.head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # [Vd]
-
-    def init_from_target(self, head_weight: torch.Tensor, d2t: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.head.weight.copy_(head_weight[d2t].float())
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] final normed target states -> [..., K, Vd] logits of heads 1..K."""

@@ -1,11 +1,13 @@
 """MTP (DeepSeek-V3): chained multi-token prediction modules as a drafter.
 
-model.py: modules and loss; drafter.py: inference with per-depth caches; train.py: trainer task.
+model.py: modules and loss; drafter.py: inference with per-depth caches; training:
+training/methods/mtp.py.
 """
 
 from __future__ import annotations
 
-from specdecode.drafters.checkpoint import load_net
+from specdecode.drafter import Method
+from specdecode.drafters.checkpoint import checkpoint_path, load_net
 from specdecode.drafters.mtp.drafter import MTPDrafter
 from specdecode.drafters.mtp.model import MTP, MTPConfig
 
@@ -17,3 +19,13 @@ def load_mtp(path, target) -> MTPDrafter:
     drafter = MTPDrafter(net, target)
     drafter.fingerprint = f"mtp:{path}"
     return drafter
+
+
+METHOD = Method(
+    name="mtp",
+    variants={"mtp": 3},
+    load=lambda variant, target, spec, **kw: load_mtp(checkpoint_path("mtp", target, spec), target),
+    task="mtp",
+    checkpoint="mtp",
+    summary="chained multi-token prediction modules (DeepSeek-V3)",
+)

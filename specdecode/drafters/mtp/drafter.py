@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Drafter, DraftRow, Proposal, empty_proposal
+from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal
 from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import process_logits_batch, sample
+from specdecode.verify import Verdict
 
 
 class MTPDrafter(Drafter):
@@ -151,8 +152,8 @@ class MTPDrafter(Drafter):
             num[b] = len(drafts)
         return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
 
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         h = target_out.hidden[FINAL_NORM]  # [B, N, d]
         for b, row in enumerate(batch):
-            new = h[b, : num_accepted[b] + 1].to(self.device, self.dtype)
+            new = h[b, : verdicts[b].num_accepted + 1].to(self.device, self.dtype)
             self.hist[row.slot][0] = torch.cat([self.hist[row.slot][0], new])

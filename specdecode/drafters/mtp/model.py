@@ -14,23 +14,31 @@ Contract:
 - `mtp_loss(...)`: lambda/D * sum_k KL(target || module k) over response tokens, where the
   target's distribution for t_{i+k+1} is its logits at position i+k (self-distillation). With
   a frozen target only the modules learn (mode "frozen"); "native" joint training adds the
-  target's own next-token loss and trains the trunk too (drafters/mtp/train.py).
+  target's own next-token loss and trains the trunk too (training/methods/mtp.py).
 Legend: B batch, T rows, d width, D modules, Vd draft vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftAttention, RMSNorm, SwiGLU, attend, rope_table, shifted_kl
+from specdecode.drafters.layers import (
+    DraftAttention,
+    DraftConfig,
+    RMSNorm,
+    SwiGLU,
+    attend,
+    rope_table,
+    shifted_kl,
+)
 
 
 @dataclass
-class MTPConfig:
+class MTPConfig(DraftConfig):
     hidden_size: int
     num_modules: int
     num_heads: int
@@ -41,13 +49,6 @@ class MTPConfig:
     target_vocab_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> MTPConfig:
-        return cls(**d)
 
 
 class MTPModule(nn.Module):

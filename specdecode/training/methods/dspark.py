@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.dflash.train import DFlashLoss, DFlashTask
 from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark, dspark_loss
 from specdecode.models.base import FINAL_NORM
+from specdecode.training.methods.dflash import DFlashLoss, DFlashTask
 
 
 class DSparkLoss(DFlashLoss):

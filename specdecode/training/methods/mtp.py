@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.eagle.train import draft_vocabulary
 from specdecode.drafters.layers import target_shape
 from specdecode.drafters.mtp.drafter import MTPDrafter
 from specdecode.drafters.mtp.model import MTP, MTPConfig, mtp_loss
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import FINAL_NORM
+from specdecode.models.loader import load_model
+from specdecode.training.data import collate, plan_batches
+from specdecode.training.vocab import draft_vocabulary
 
 
 class MTPLoss(nn.Module):
@@ -99,8 +101,6 @@ def _next_token_nll(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def response_nll(model, seqs: list, tokens_per_batch: int = 4096) -> float:
     """Mean NLL per response token of a transformers causal LM over `seqs` (training.data)."""
-    from specdecode.training.data import collate, plan_batches
-
     model.eval()
     dev = next(model.parameters()).device
     total, count = 0.0, 0.0
@@ -157,7 +157,7 @@ class MTPNativeTask(MTPTask):
         trunk_lr_scale: float = 0.01,
         out_dir: str | None = None,
     ):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # deferred: importing transformers takes seconds
 
         super().__init__(target, seqs, num_modules=num_modules, draft_vocab_size=draft_vocab_size)
         if out_dir is None:
@@ -206,8 +206,6 @@ class MTPNativeTask(MTPTask):
 
     def eval_target(self):
         """The current trunk in the native runtime (for the served-tau evaluation)."""
-        from specdecode.models.loader import load_model
-
         self.save_extra()
         info = self.target.model.info
         self._eval_target = load_model(str(self.target_dir), dtype=info.dtype, device=str(info.device))

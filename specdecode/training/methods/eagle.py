@@ -9,32 +9,14 @@ which it computes the target's logits over the draft vocabulary (the soft labels
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 from torch import nn
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafter import Drafter
 from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
 from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_loss
 from specdecode.models.base import FINAL_NORM
-
-
-def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
-    """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
-    counts = Counter()
-    for s in seqs:
-        counts.update(s.input_ids[s.loss_mask.bool()].tolist())
-    chosen = [t for t, _ in counts.most_common(size)]
-    for e in eos_ids:
-        if e not in chosen:
-            chosen = chosen[: size - 1] + [e]
-    if len(chosen) < size:  # fill with the lowest unused ids so the head has `size` rows
-        used = set(chosen)
-        chosen += [t for t in range(vocab_rows) if t not in used][: size - len(chosen)]
-    total = sum(counts.values())
-    cover = sum(counts[t] for t in chosen) / max(total, 1)
-    return torch.tensor(sorted(chosen)), cover
+from specdecode.training.vocab import draft_vocabulary
 
 
 class EagleLoss(nn.Module):

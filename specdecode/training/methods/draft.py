@@ -1,44 +1,26 @@
-"""Distilled draft model: a few-layer LM made from the target and distilled on its own outputs.
+"""Distilled draft model training task (`specdecode train draft`).
 
-Contract:
-- The drafter is an independent causal LM with its own KV cache (the classic `draft` method,
-  drafters/draft_model.py), built from the target's config with `num_layers` layers. Its layers
-  start as copies of target layers spread over the depth (`init_layers`) and its final norm as the
-  target's; the embedding and the output head are the target's own tensors, shared and frozen,
-  so a checkpoint stores only the layers and the norm (it fits the 30 MB budget of a shipped
-  drafter on a 135M target).
-- `DistillTask`: loss = KL(target || drafter) of the next-token distributions at response
-  tokens, restricted to the draft vocabulary (the most frequent response tokens) to keep the
-  head products small on CPU; the drafter still drafts over the full vocabulary.
-- `load_distilled(path, target)` -> a `DraftModelDrafter` over a `NativeDecoder` (or refuses a
-  checkpoint made for another target, with the reason).
+Contract: the drafter is an independent causal LM with its own KV cache (the classic `draft`
+method, drafters/draft_model.py), built from the target's config with `num_layers` layers. Its
+layers start as copies of target layers spread over the depth (`init_layers`) and its final norm
+as the target's; the embedding and the output head are the target's own tensors, shared and
+frozen, so a checkpoint stores only the layers and the norm. `DistillTask`: loss =
+KL(target || drafter) of the next-token distributions at response tokens, restricted to the
+draft vocabulary (the most frequent response tokens) to keep the head products small on CPU;
+the drafter still drafts over the full vocabulary.
 Legend: B batch, T rows, d width, Vd draft vocabulary.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from specdecode.drafters.checkpoint import load_checkpoint
-from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter, _drafter, _embed_weight, small_config
 from specdecode.drafters.layers import shifted_kl
 from specdecode.models.base import FINAL_NORM
-
-
-def _embed_weight(target) -> torch.Tensor:
-    m = target.model
-    return m.embed_tokens if hasattr(m, "embed_tokens") else m.model.get_input_embeddings().weight
-
-
-def small_config(target_config, num_layers: int):
-    cfg = copy.deepcopy(target_config)
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:num_layers]
-    return cfg
+from specdecode.models.loader import open_checkpoint
+from specdecode.training.vocab import draft_vocabulary
 
 
 def init_layers(num_target_layers: int, num_layers: int) -> list[int]:
@@ -69,9 +51,7 @@ class DistillTask:
     feature_layers = (FINAL_NORM,)
 
     def __init__(self, target, seqs, num_layers: int = 4, draft_vocab_size: int = 8192):
-        from transformers import AutoModelForCausalLM
-
-        from specdecode.drafters.eagle.train import draft_vocabulary
+        from transformers import AutoModelForCausalLM  # deferred: importing transformers takes seconds
 
         info = target.model.info
         self.target, self.num_layers = target, num_layers
@@ -79,8 +59,6 @@ class DistillTask:
         cfg = small_config(target.config, num_layers)
         small = AutoModelForCausalLM.from_config(cfg).float()
         # Copy the chosen target layers, the final norm and the embedding (frozen) from the target.
-        from specdecode.models.loader import open_checkpoint
-
         src = open_checkpoint(target.path)
         pre = "model." if "model.embed_tokens.weight" in src else ""
         state = {}
@@ -114,25 +92,3 @@ class DistillTask:
 
     def make_drafter(self) -> DraftModelDrafter:
         return _drafter(self.target, self.checkpoint_state(), self.num_layers, torch.float32)
-
-
-def _drafter(
-    target, state: dict, num_layers: int, dtype: torch.dtype, fingerprint: str = ""
-) -> DraftModelDrafter:
-    from specdecode.models.native import NativeDecoder
-
-    tensors = dict(state)
-    tensors["model.embed_tokens.weight"] = _embed_weight(target)
-    if not getattr(target.config, "tie_word_embeddings", False):
-        tensors["lm_head.weight"] = target.model.lm_head_weight()
-    small = NativeDecoder.from_hf(
-        small_config(target.config, num_layers), tensors, dtype, target.model.info.device
-    )
-    return DraftModelDrafter(small, target.vocab_size, target.model.info.vocab_size, fingerprint=fingerprint)
-
-
-def load_distilled(path, target) -> DraftModelDrafter:
-    from specdecode.drafters.checkpoint import drafter_dtype
-
-    arch, state = load_checkpoint(path, "draft", target)
-    return _drafter(target, state, arch["num_layers"], drafter_dtype(target), fingerprint=f"draft:{path}")

@@ -22,7 +22,8 @@ from specdecode.drafters.dflash.model import (
     dflash_loss,
     t2d_table,
 )
-from specdecode.drafters.eagle.train import draft_vocabulary
+from specdecode.models.loader import open_checkpoint
+from specdecode.training.vocab import draft_vocabulary
 
 LAYER_MAP = {  # drafter layer parameter -> Hugging Face decoder layer parameter
     "input_norm.weight": "input_layernorm.weight",
@@ -43,8 +44,6 @@ def copy_target_layers(net: DFlash, target) -> list[int] | None:
     layer; a short CPU run learns far faster from there than from a random init. Returns the
     target layers used, or None when the checkpoint's names are not the Llama/Qwen ones (the
     random init is kept)."""
-    from specdecode.models.loader import open_checkpoint
-
     src = open_checkpoint(target.path)
     pre = "model." if "model.embed_tokens.weight" in src else ""
     n = target.model.info.num_layers

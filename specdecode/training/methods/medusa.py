@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.drafters.eagle.train import draft_vocabulary
 from specdecode.drafters.medusa.drafter import MedusaDrafter
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig, medusa_loss
 from specdecode.models.base import FINAL_NORM
+from specdecode.training.vocab import draft_vocabulary
 
 
 class MedusaLoss(nn.Module):

@@ -1,4 +1,4 @@
-"""The drafter interface every method implements.
+"""The drafter interface every method implements, and the record that registers a method.
 
 Contract:
 - The decoding loop owns requests, the target and its cache; a drafter only proposes.
@@ -9,17 +9,24 @@ Contract:
   order). `num_draft[b]` is an upper bound: a drafter may propose fewer (n-gram with no match).
   `draft_probs` is the *processed* distribution each draft token was sampled from (same
   temperature / top-k / top-p as the target), or None for deterministic (point-mass) drafts.
-- `advance(batch, proposal, num_accepted, target_out)` is called after verification with the
-  number of drafts accepted per row and the target's forward output for the verify block
-  (hidden states of `needs_hidden` layers included), so stateful drafters can catch up.
+- `advance(batch, proposal, verdicts, target_out)` is called after verification with the
+  proposal as drafted, one `verify.Verdict` per row (`num_accepted`; `kept_rows`: the verify-block
+  rows committed to the cache, 0 first; `accepted_nodes` for trees) and the target's forward
+  output for the verify block (hidden states of `needs_hidden` layers included), so stateful
+  drafters can catch up. Nothing mutates a Proposal after it is made.
+- `provides_confidences = True`: the proposal carries `extras["confidences"]` [B, K] (per-position
+  acceptance estimates known before each draft was drawn) for the draft-length policy.
 - `gather_features(hidden, layers, b, rows)` concatenates captured layers (for one request `b`
   and some rows) into one `[n, sum d]` tensor, or None when a layer was not captured.
 - Everything a drafter draws at random comes from `DraftRow.generator`, per request, so a
   request's output never depends on the other requests in its batch.
+- `Method` is one drafter package's record (names and default K, loader, training task, CLI
+  options, whether it needs a checkpoint); `specdecode.drafters` registers them in one place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,8 +54,6 @@ class Proposal:
     parents: torch.Tensor | None = None  # [B, K] long
     tree_iid: bool = False  # True: siblings drawn i.i.d. from q; False: chosen deterministically
     extras: dict = field(default_factory=dict)  # drafter-private data carried to advance()
-    # Set by the loop after verification for tree proposals: accepted node indices per row.
-    accepted_nodes: list[list[int]] | None = None
     # Seconds of propose() spent catching up on committed context (work any later round would
     # do too), which online cost models leave out of the round's own cost.
     catch_up_s: float = 0.0
@@ -73,6 +78,7 @@ class Drafter:
     # Relative cost of one draft token vs one target step; the adaptive policy uses it.
     cost_per_token: float = 0.0
     deterministic: bool = True  # True: point-mass drafts (draft_probs is None)
+    provides_confidences: bool = False  # proposals carry extras["confidences"] [B, K]
 
     def setup(self, num_slots: int, max_len: int) -> None:
         """Called by the loop before requests arrive: size per-slot state."""
@@ -86,8 +92,8 @@ class Drafter:
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         return empty_proposal(len(batch))
 
-    def advance(self, batch: list[DraftRow], proposal: Proposal, num_accepted: list[int], target_out) -> None:
-        pass
+    def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list, target_out) -> None:
+        """verdicts: one `verify.Verdict` per row of `batch`."""
 
 
 def gather_features(hidden: dict, layers, b: int | None = None, rows=None) -> torch.Tensor | None:
@@ -100,3 +106,27 @@ def gather_features(hidden: dict, layers, b: int | None = None, rows=None) -> to
         h = h if b is None else h[b]
         parts.append(h if rows is None else h[rows])
     return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class Method:
+    """What the rest of the package needs to know about one drafter family.
+
+    `variants` maps each `--method` name the family serves to its default K (e.g. eagle: 4,
+    eagle-tree: 16). `load(variant, target, spec, dtype=, device=, **options)` returns a ready
+    `Drafter`, `spec` being `--drafter` (a checkpoint directory, a model, or None for the
+    shipped default); `needs_drafter=False`: the method takes no `--drafter` at all.
+    `task` names the training task (`specdecode.training.methods.<task>`), None if untrainable.
+    `options` are the drafter settings only this family takes (CLI flags `--confidence-threshold`
+    ...). `checkpoint` is the kind of checkpoint it loads (`config.json` "method"), None if it
+    needs none.
+    """
+
+    name: str
+    variants: dict[str, int]
+    load: Callable[..., Drafter]
+    task: str | None = None
+    options: tuple[str, ...] = ()
+    checkpoint: str | None = None
+    needs_drafter: bool = True
+    summary: str = ""

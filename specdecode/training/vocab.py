@@ -1,0 +1,31 @@
+"""The draft vocabulary: the target ids a reduced-vocabulary drafter head predicts.
+
+Contract: `draft_vocabulary(seqs, size, eos_ids, vocab_rows)` -> (d2t, coverage): the `size` most
+frequent response tokens of the training sequences as sorted target ids (EOS always included;
+filled with the lowest unused ids when the data has fewer distinct tokens), and the share of
+response tokens they cover. Every method with a reduced head (EAGLE-3, Medusa, MTP, DFlash,
+DSpark, the distilled draft model) picks its vocabulary here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
+    """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
+    counts = Counter()
+    for s in seqs:
+        counts.update(s.input_ids[s.loss_mask.bool()].tolist())
+    chosen = [t for t, _ in counts.most_common(size)]
+    for e in eos_ids:
+        if e not in chosen:
+            chosen = chosen[: size - 1] + [e]
+    if len(chosen) < size:  # fill with the lowest unused ids so the head has `size` rows
+        used = set(chosen)
+        chosen += [t for t in range(vocab_rows) if t not in used][: size - len(chosen)]
+    total = sum(counts.values())
+    cover = sum(counts[t] for t in chosen) / max(total, 1)
+    return torch.tensor(sorted(chosen)), cover
