@@ -5,8 +5,9 @@ Contract:
   server (`engine.server.build_engine`) and the benchmark harness build one and pass it on.
   Construction checks what needs no model (a known method, K >= 0) with errors naming the flag.
 - `build(options)` resolves the target (alias, Hugging Face directory or hub id; a `LoadedModel`
-  is used as given, so several methods can share one target) and the drafter, measures what the
-  policy needs (cached per machine) and returns a `SpecDecode`.
+  is used as given, so several methods can share one target) and the drafter (a foreign layout,
+  e.g. a speculators or SpecForge EAGLE-3 directory, is converted first: `native_drafter`),
+  measures what the policy needs (cached per machine) and returns a `SpecDecode`.
 - `SpecDecode.generate` / `stream` / `requests` take text, chat messages, or a list of prompts,
   and validated sampling parameters. Output is exactly the target's distribution (greedy at
   temperature 0).
@@ -14,15 +15,19 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from specdecode.assets import cache_dir
 from specdecode.chat import PromptItem, derive_seed, encode_prompt, parse_item
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, GenerationResult, SpeculativeDecoder
 from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.interop import detect_layout, write_native
 from specdecode.models.loader import load_model
 from specdecode.policy import StepCostModel, make_policy, step_costs
 
@@ -146,11 +151,27 @@ class SpecDecode:
                 self.last_result = event.result
 
 
+def native_drafter(spec: str | None, target) -> str | None:
+    """`--drafter` as we load it: a directory in another framework's layout (speculators,
+    SpecForge EAGLE-3, z-lab DFlash) is converted once into our checkpoint layout (cached per
+    source directory and its config/weights' modification times), or refused with the reason."""
+    if spec is None or detect_layout(spec) in (None, "specdecode"):
+        return spec
+    src = Path(spec).resolve()
+    stamp = "|".join(f"{f.name}:{f.stat().st_mtime_ns}" for f in sorted(src.iterdir()) if f.is_file())
+    key = hashlib.sha256(f"{src}|{stamp}|{target.fingerprint}".encode()).hexdigest()[:20]
+    out = cache_dir() / "imported" / key
+    if not (out / "config.json").is_file():
+        write_native(src, target, out)
+    return str(out)
+
+
 def build(options: LoadOptions) -> SpecDecode:
     """Load (or take) the target, build the drafter and the policy, and pair them."""
     o = options
     tgt = load_model(o.target, dtype=o.dtype, device=o.device) if isinstance(o.target, str) else o.target
-    drf = build_drafter(o.method, tgt, o.drafter, dtype=o.dtype, device=o.device, options=o.drafter_options)
+    spec = native_drafter(o.drafter, tgt)
+    drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k
     verify_cost, draft_cost, step_cost = 0.03, drf.cost_per_token, None
     if o.policy in _MEASURED_POLICIES and k > 0:

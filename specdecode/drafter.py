@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -114,9 +115,11 @@ class Method:
 
     `variants` maps each `--method` name the family serves to its default K (e.g. eagle: 4,
     eagle-tree: 16). `load(variant, target, spec, dtype=, device=, **options)` returns a ready
-    `Drafter`, `spec` being `--drafter` (a checkpoint directory, a model, or None for the
-    shipped default); `needs_drafter=False`: the method takes no `--drafter` at all.
-    `task` names the training task (`specdecode.training.methods.<task>`), None if untrainable.
+    `Drafter`, `spec` being `--drafter` (a model, or None for the default); for a family with a
+    `checkpoint` kind the registry passes the checkpoint directory (`--drafter DIR`, else the
+    one shipped for the target). `needs_drafter=False`: the method takes no `--drafter` at all.
+    `task` names the training task (`specdecode.training.methods.<task>`), None if untrainable;
+    `train_options` are that task's settings with their defaults (`specdecode train` flags).
     `options` are the drafter settings only this family takes (CLI flags `--confidence-threshold`
     ...). `checkpoint` is the kind of checkpoint it loads (`config.json` "method"), None if it
     needs none.
@@ -126,6 +129,7 @@ class Method:
     variants: dict[str, int]
     load: Callable[..., Drafter]
     task: str | None = None
+    train_options: dict[str, Any] = field(default_factory=dict)
     options: tuple[str, ...] = ()
     checkpoint: str | None = None
     needs_drafter: bool = True

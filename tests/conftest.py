@@ -229,6 +229,22 @@ def tiny_target(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    """The tiny llama target in fp32 (module scope: tests may change its formats or state)."""
+    from specdecode.models.loader import load_model
+
+    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_qwen2_dir):
+    """A second tiny model with the same tokenizer: a draft model for `tiny`."""
+    from specdecode.models.loader import load_model
+
+    return load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

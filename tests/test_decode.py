@@ -4,6 +4,7 @@ import collections
 
 import pytest
 import torch
+from fakes import ShiftedDrafter
 from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
@@ -15,26 +16,6 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.models.loader import load_model
 from specdecode.policy import AdaptiveK, FixedK
 from specdecode.verify import Verdict
-
-
-class ShiftedDrafter(DraftModelDrafter):
-    """Drafts the target's own greedy token plus one: a drafter that never agrees (point mass)."""
-
-    def propose(self, batch, num_draft):
-        prop = super().propose(batch, num_draft)
-        prop.draft_ids = (prop.draft_ids + 1) % self.vocab_size
-        prop.draft_probs = None
-        return prop
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny_drafter(tiny_qwen2_dir):
-    return load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
 
 
 def _prompts(tok, n=3):

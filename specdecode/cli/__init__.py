@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | demo | serve | bench | data | train | calibrate | models`.
+"""Command line: `specdecode generate | demo | serve | bench | data | train | calibrate | models | export`.
 
 Contract (other tools rely on it):
   specdecode generate --target MODEL --method {ar,ngram,draft,...} [--drafter MODEL]
@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdecode.cli import bench, data, generate, models, serve, train
+from specdecode.cli import bench, data, export, generate, models, serve, train
 from specdecode.errors import SpecDecodeError
 
-COMMAND_GROUPS = (generate, bench, data, train, serve, models)
+COMMAND_GROUPS = (generate, bench, data, train, serve, models, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 
 from specdecode.cli import options
+from specdecode.drafters import REGISTRY
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
-from specdecode.training.run import run_training
+from specdecode.training.run import TRAINABLE, run_training
 from specdecode.training.trainer import TrainConfig
 
 _REGEN_HELP = "directory from `specdecode data regen`"
@@ -21,7 +22,7 @@ _REGEN_HELP = "directory from `specdecode data regen`"
 
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a drafter for a target on its regenerated data (resumable)")
-    t.add_argument("method", help="draft, medusa, mtp, eagle, dflash, dspark")
+    t.add_argument("method", help=", ".join(TRAINABLE))
     options.add_target(t, required=True)
     options.add_data(t, _REGEN_HELP)
     options.add_out(t, "checkpoint directory (rerun to resume)")
@@ -38,11 +39,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
     options.add_seed(t)
     t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
-    m = t.add_argument_group("method-specific")
-    m.add_argument("--draft-vocab", type=int, default=8192, help="eagle: draft vocabulary size")
-    m.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test unroll steps")
-    m.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
-    m.add_argument("--num-modules", type=int, default=3, help="mtp: number of chained modules")
+    m = t.add_argument_group("method-specific (defaults per method from the drafter registry)")
+    for flag, dest, kind in _TASK_FLAGS:
+        m.add_argument(flag, dest=dest, type=kind, default=None, help=_per_method(dest))
     m.add_argument(
         "--mode",
         default="frozen",
@@ -53,12 +52,6 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--trunk-lr-scale", type=float, default=0.01, help="mtp native: target's lr as a fraction of --lr"
     )
-    m.add_argument(
-        "--num-layers", type=int, default=None, help="draft: layers of the draft model (4); dflash/dspark: 2"
-    )
-    m.add_argument("--block-size", type=int, default=None, help="dflash: slots per block (8); dspark: (7)")
-    m.add_argument("--num-anchors", type=int, default=32, help="dflash/dspark: blocks per training sequence")
-    m.add_argument("--markov-rank", type=int, default=256, help="dspark: rank r of the Markov head")
     options.add_dtype(t)
     options.add_device(t)
     t.set_defaults(handler=train)
@@ -86,27 +79,27 @@ def add_parsers(sub) -> None:
     c.set_defaults(handler=calibrate)
 
 
+# CLI flag -> the training-task setting it sets (Method.train_options keys).
+_TASK_FLAGS = (
+    ("--draft-vocab", "draft_vocab_size", int),
+    ("--ttt-steps", "ttt_steps", int),
+    ("--num-heads", "num_heads", int),
+    ("--num-modules", "num_modules", int),
+    ("--num-layers", "num_layers", int),
+    ("--block-size", "block_size", int),
+    ("--num-anchors", "num_anchors", int),
+    ("--markov-rank", "markov_rank", int),
+)
+
+
+def _per_method(dest: str) -> str:
+    return "; ".join(f"{m.name}: {m.train_options[dest]}" for m in REGISTRY if dest in m.train_options)
+
+
 def _task_options(a: argparse.Namespace) -> dict:
-    """The flags a method's training task takes (defaults of the shared ones per method)."""
-    kw = {
-        "eagle": {"draft_vocab_size": a.draft_vocab, "ttt_steps": a.ttt_steps},
-        "medusa": {"draft_vocab_size": a.draft_vocab, "num_heads": a.num_heads},
-        "mtp": {"draft_vocab_size": a.draft_vocab, "num_modules": a.num_modules},
-        "draft": {"draft_vocab_size": a.draft_vocab, "num_layers": a.num_layers or 4},
-        "dflash": {
-            "draft_vocab_size": a.draft_vocab,
-            "num_layers": a.num_layers or 2,
-            "block_size": a.block_size or 8,
-            "num_anchors": a.num_anchors,
-        },
-        "dspark": {
-            "draft_vocab_size": a.draft_vocab,
-            "num_layers": a.num_layers or 2,
-            "block_size": a.block_size or 7,
-            "num_anchors": a.num_anchors,
-            "markov_rank": a.markov_rank,
-        },
-    }.get(a.method, {})
+    """The settings a method's training task takes: the flags given, else the method's defaults."""
+    defaults = next((m.train_options for m in REGISTRY if a.method in (m.name, m.task)), {})
+    kw = {k: v if getattr(a, k) is None else getattr(a, k) for k, v in defaults.items()}
     if a.mode == "native":  # run_training refuses it for other methods
         kw |= {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
     return kw

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from specdecode.drafter import Drafter, DraftRow, Method, Proposal
 from specdecode.drafters import ar, dflash, draft_model, dspark, eagle, medusa, mtp, ngram
+from specdecode.drafters.checkpoint import checkpoint_path
 from specdecode.errors import SpecDecodeError
 
 __all__ = [
@@ -69,4 +70,6 @@ def build_drafter(
             raise SpecDecodeError(f"{flag} is only used by --method {', '.join(DRAFTER_OPTIONS.get(k, ()))}")
     if record.needs_drafter is False and drafter_spec is not None:
         raise SpecDecodeError(f"--drafter is not used by --method {method}")
+    if record.checkpoint is not None:  # --drafter DIR, else the drafter shipped for this target
+        drafter_spec = checkpoint_path(record.checkpoint, target, drafter_spec)
     return record.load(method, target, drafter_spec, dtype=dtype, device=device, **options)

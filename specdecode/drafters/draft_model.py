@@ -198,5 +198,6 @@ METHOD = Method(
     variants={"draft": 5},
     load=load_draft_model,
     task="draft",
+    train_options={"draft_vocab_size": 8192, "num_layers": 4},
     summary="a smaller LM with the target's tokenizer, or a distilled few-layer copy of the target",
 )

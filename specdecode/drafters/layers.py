@@ -18,6 +18,7 @@ Contract:
   maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
 - `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
   every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
+- `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's.
 - `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
   (the checkpoint's config.json "arch"; JSON lists become the tuples the fields declare).
 - `ReducedHead`: mixin for a network with a head over the draft vocabulary (`self.head`,
@@ -38,6 +39,20 @@ from torch import nn
 from specdecode.sampling import process_logits_batch
 
 RMSNorm = nn.RMSNorm
+
+# A drafter decoder layer's parameters -> the same tensors' names in a Hugging Face decoder layer
+# (what initialising from the target's layers and the interop layouts read and write).
+HF_LAYER_NAMES = {
+    "input_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
 
 
 class DraftConfig:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.drafters.layers import HF_LAYER_NAMES
 from specdecode.errors import SpecDecodeError
 from specdecode.interop.common import (
     check_target,
@@ -34,19 +35,8 @@ from specdecode.interop.common import (
     t2d_mask,
 )
 
-# our Eagle3 parameter -> its name inside the foreign decoder layer
-LAYER_KEYS = {
-    "input_norm.weight": "input_layernorm.weight",
-    "hidden_norm.weight": "hidden_norm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "post_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
+# our Eagle3 parameter -> its name inside the foreign decoder layer (EAGLE-3 adds the feature norm)
+LAYER_KEYS = {**HF_LAYER_NAMES, "hidden_norm.weight": "hidden_norm.weight"}
 TOP_KEYS = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "head.weight": "lm_head.weight"}
 
 

@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from fakes import ShiftedDrafter
 from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
@@ -13,7 +14,6 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.models.loader import load_model
 from specdecode.policy import ConfidenceScheduler, FixedK, PolicyState, StepCostModel
 from specdecode.policy.profile import batch_step_costs
 
@@ -38,24 +38,6 @@ class ConfidentDrafter(DraftModelDrafter):
         if prop.draft_probs is not None:
             prop.extras["confidences"] = prop.draft_probs.max(dim=-1).values  # [B, K]
         return prop
-
-
-class NeverAgrees(DraftModelDrafter):
-    def propose(self, batch, num_draft):
-        prop = super().propose(batch, num_draft)
-        prop.draft_ids = (prop.draft_ids + 1) % self.vocab_size
-        prop.draft_probs = None
-        return prop
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def other(tiny_qwen2_dir):
-    return load_model(str(tiny_qwen2_dir), dtype="fp32", device="cpu")
 
 
 def _prompts(tok):
@@ -225,7 +207,7 @@ def test_online_costs_follow_the_measured_steps():
     assert off.verify_scale[5] is None and off.choose(states) == [4]
 
 
-def test_loop_skips_the_confidence_drafter_when_it_cannot_pay(tiny, other):
+def test_loop_skips_the_confidence_drafter_when_it_cannot_pay(tiny, tiny_drafter):
     """Greedy, a drafter reporting confidence 0.01 whose round costs a target step: after the
     first rounds it runs only as a probe, and the output still equals ar."""
 
@@ -243,7 +225,7 @@ def test_loop_skips_the_confidence_drafter_when_it_cannot_pay(tiny, other):
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
     base = _run(tiny, ARDrafter(), FixedK(0), prompts, max_new=60)
     sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
-    spec = _run(tiny, Unconfident(other.model, v, rows), sch, prompts, max_new=60)
+    spec = _run(tiny, Unconfident(tiny_drafter.model, v, rows), sch, prompts, max_new=60)
     assert spec[0].token_ids == base[0].token_ids
     assert 1 <= Unconfident.calls <= 6  # 60 steps: the first round, then probes at 8, 16, 32
 
@@ -261,23 +243,23 @@ def test_measured_profile_is_cached(tiny, tmp_path, monkeypatch):
 
 
 # ---- losslessness through the loop -------------------------------------------------------------
-def _drafters(tiny, other):
+def _drafters(tiny, tiny_drafter):
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
     return {
         "ngram": lambda: NgramDrafter(),
-        "draft-other": lambda: DraftModelDrafter(other.model, v, rows),
+        "draft-other": lambda: DraftModelDrafter(tiny_drafter.model, v, rows),
         "always-agrees": lambda: DraftModelDrafter(tiny.model, v, rows),
-        "never-agrees": lambda: NeverAgrees(tiny.model, v, rows),
-        "confident-other": lambda: ConfidentDrafter(other.model, v, rows),
+        "never-agrees": lambda: ShiftedDrafter(tiny.model, v, rows),
+        "confident-other": lambda: ConfidentDrafter(tiny_drafter.model, v, rows),
         "confident-self": lambda: ConfidentDrafter(tiny.model, v, rows),
     }
 
 
 @pytest.mark.parametrize("variant", ["exact", "production"])
-def test_greedy_scheduled_equals_greedy_ar(tiny, other, variant):
+def test_greedy_scheduled_equals_greedy_ar(tiny, tiny_drafter, variant):
     prompts = _prompts(tiny.tokenizer)
     base = _run(tiny, ARDrafter(), FixedK(0), prompts)
-    for name, make in _drafters(tiny, other).items():
+    for name, make in _drafters(tiny, tiny_drafter).items():
         sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), variant=variant)
         spec = _run(tiny, make(), sch, prompts, max_batch=2)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], name
@@ -319,17 +301,19 @@ def test_seeded_sampling_is_independent_of_k_policy_and_batch(tiny):
     assert runs[2][0].token_ids == base[1].token_ids
 
 
-def test_match_mode_with_a_stochastic_drafter_is_independent_of_k(tiny, other):
+def test_match_mode_with_a_stochastic_drafter_is_independent_of_k(tiny, tiny_drafter):
     prompts = _prompts(tiny.tokenizer)
     params = SamplingParams(temperature=1.0, top_k=20)
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
     base = _run(tiny, ARDrafter(), FixedK(0), prompts, params=params)
     sch = ConfidenceScheduler(4, StepCostModel.flat())
-    spec = _run(tiny, ConfidentDrafter(other.model, v, rows), sch, prompts, params=params, mode="match")
+    spec = _run(
+        tiny, ConfidentDrafter(tiny_drafter.model, v, rows), sch, prompts, params=params, mode="match"
+    )
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
 
 
-def test_confidence_truncation_keeps_the_target_distribution(tiny, other):
+def test_confidence_truncation_keeps_the_target_distribution(tiny, tiny_drafter):
     """T = 1, stochastic drafts truncated by their confidences: the joint law of the first two
     tokens matches plain sampling (chi-square)."""
     prompt = _prompts(tiny.tokenizer)[0]
@@ -347,7 +331,7 @@ def test_confidence_truncation_keeps_the_target_distribution(tiny, other):
 
     ar = draw(ARDrafter(), FixedK(0), 0)
     cost = StepCostModel([1, 64], [1, 2, 3], [0], [[[1.0, 1.3, 1.35], [1.0, 1.3, 1.35]]])
-    sd = draw(ConfidentDrafter(other.model, v, rows), ConfidenceScheduler(2, cost), 10**6)
+    sd = draw(ConfidentDrafter(tiny_drafter.model, v, rows), ConfidenceScheduler(2, cost), 10**6)
     keys = [k for k in set(ar) | set(sd) if ar[k] + sd[k] >= 10]
     assert len(keys) >= 4
     assert chi2_contingency([[ar[k] for k in keys], [sd[k] for k in keys]]).pvalue > 1e-3

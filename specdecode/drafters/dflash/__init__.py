@@ -8,7 +8,7 @@ checkpoint directory.
 from __future__ import annotations
 
 from specdecode.drafter import Method
-from specdecode.drafters.checkpoint import checkpoint_path, load_net
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.dflash.drafter import DFlashDrafter
 from specdecode.drafters.dflash.model import DFlash, DFlashConfig, dflash_layers
 
@@ -17,16 +17,15 @@ __all__ = ["DFlash", "DFlashConfig", "DFlashDrafter", "dflash_layers", "load_dfl
 
 def load_dflash(path, target) -> DFlashDrafter:
     net = load_net(path, "dflash", target, lambda arch: DFlash(DFlashConfig.from_json(arch)))
-    drafter = DFlashDrafter(net, target)
-    drafter.fingerprint = f"dflash:{path}"
-    return drafter
+    return DFlashDrafter(net, target)
 
 
 METHOD = Method(
     name="dflash",
     variants={"dflash": 7},
-    load=lambda variant, target, spec, **kw: load_dflash(checkpoint_path("dflash", target, spec), target),
+    load=lambda variant, target, spec, **kw: load_dflash(spec, target),
     task="dflash",
+    train_options={"draft_vocab_size": 8192, "num_layers": 2, "block_size": 8, "num_anchors": 32},
     checkpoint="dflash",
     summary="block diffusion: a whole block of drafts in one forward",
 )

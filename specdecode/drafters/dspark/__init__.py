@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafter import Method
-from specdecode.drafters.checkpoint import checkpoint_path, load_net
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.dflash.model import DFlashConfig
 from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark
@@ -28,13 +28,11 @@ def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "su
         lambda arch: DSpark(DFlashConfig.from_json(arch)),
         defaults=lambda net: {"sts_bias": torch.zeros(net.cfg.block_size)},
     )
-    drafter = DSparkDrafter(net, target, confidence_threshold, threshold_on)
-    drafter.fingerprint = f"dspark:{path}"
-    return drafter
+    return DSparkDrafter(net, target, confidence_threshold, threshold_on)
 
 
 def _load(variant, target, spec, confidence_threshold=None, threshold_on="survival", **kw) -> DSparkDrafter:
-    return load_dspark(checkpoint_path("dspark", target, spec), target, confidence_threshold, threshold_on)
+    return load_dspark(spec, target, confidence_threshold, threshold_on)
 
 
 METHOD = Method(
@@ -42,6 +40,13 @@ METHOD = Method(
     variants={"dspark": 7},
     load=_load,
     task="dspark",
+    train_options={
+        "draft_vocab_size": 8192,
+        "num_layers": 2,
+        "block_size": 7,
+        "num_anchors": 32,
+        "markov_rank": 256,
+    },
     options=("confidence_threshold", "threshold_on"),
     checkpoint="dspark",
     summary="DFlash backbone + Markov head + calibrated confidences for the scheduler",

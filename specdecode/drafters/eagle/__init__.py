@@ -7,7 +7,7 @@ model.py holds the network and its training-time-test loss, drafter.py the infer
 from __future__ import annotations
 
 from specdecode.drafter import Method
-from specdecode.drafters.checkpoint import checkpoint_path, load_net
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
 from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_loss
 
@@ -16,18 +16,17 @@ __all__ = ["Eagle3", "EagleConfig", "EagleDrafter", "TreeSpec", "load_eagle", "t
 
 def load_eagle(path, target, tree: TreeSpec | None = None) -> EagleDrafter:
     net = load_net(path, "eagle", target, lambda arch: Eagle3(EagleConfig.from_json(arch)))
-    drafter = EagleDrafter(net, target, tree=tree)
-    drafter.fingerprint = f"eagle:{path}"
-    return drafter
+    return EagleDrafter(net, target, tree=tree)
 
 
 METHOD = Method(
     name="eagle",
     variants={"eagle": 4, "eagle-tree": 16},
     load=lambda variant, target, spec, **kw: load_eagle(
-        checkpoint_path("eagle", target, spec), target, tree=TreeSpec() if variant == "eagle-tree" else None
+        spec, target, tree=TreeSpec() if variant == "eagle-tree" else None
     ),
     task="eagle",
+    train_options={"draft_vocab_size": 8192, "ttt_steps": 3},
     checkpoint="eagle",
     summary="EAGLE-3: one feature-fusing layer; chain, or EAGLE-2 dynamic trees",
 )

@@ -6,7 +6,7 @@ model.py: heads and loss; drafter.py: inference; its training task is training/m
 from __future__ import annotations
 
 from specdecode.drafter import Method
-from specdecode.drafters.checkpoint import checkpoint_path, load_net
+from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.medusa.drafter import MedusaDrafter, default_paths
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.tree import tree_from_paths
@@ -17,18 +17,15 @@ __all__ = ["Medusa", "MedusaConfig", "MedusaDrafter", "default_paths", "load_med
 def load_medusa(path, target, tree: bool = False, num_nodes: int = 16) -> MedusaDrafter:
     net = load_net(path, "medusa", target, lambda arch: Medusa(MedusaConfig.from_json(arch)))
     shape = tree_from_paths(default_paths(num_nodes, net.cfg.num_heads)) if tree else None
-    drafter = MedusaDrafter(net, target, tree=shape)
-    drafter.fingerprint = f"medusa:{path}"
-    return drafter
+    return MedusaDrafter(net, target, tree=shape)
 
 
 METHOD = Method(
     name="medusa",
     variants={"medusa": 4, "medusa-tree": 16},
-    load=lambda variant, target, spec, **kw: load_medusa(
-        checkpoint_path("medusa", target, spec), target, tree=variant == "medusa-tree"
-    ),
+    load=lambda variant, target, spec, **kw: load_medusa(spec, target, tree=variant == "medusa-tree"),
     task="medusa",
+    train_options={"draft_vocab_size": 8192, "num_heads": 4},
     checkpoint="medusa",
     summary="K heads on the target's last state; chain or static tree",
 )

@@ -22,20 +22,9 @@ from specdecode.drafters.dflash.model import (
     dflash_loss,
     t2d_table,
 )
+from specdecode.drafters.layers import HF_LAYER_NAMES
 from specdecode.models.loader import open_checkpoint
 from specdecode.training.vocab import draft_vocabulary
-
-LAYER_MAP = {  # drafter layer parameter -> Hugging Face decoder layer parameter
-    "input_norm.weight": "input_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "post_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
 
 
 def copy_target_layers(net: DFlash, target) -> list[int] | None:
@@ -50,7 +39,7 @@ def copy_target_layers(net: DFlash, target) -> list[int] | None:
     ids = list(range(n - len(net.layers), n))
     state = {}
     for j, i in enumerate(ids):
-        for ours, theirs in LAYER_MAP.items():
+        for ours, theirs in HF_LAYER_NAMES.items():
             key = f"{pre}layers.{i}.{theirs}"
             if key not in src:
                 return None
