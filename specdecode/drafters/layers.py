@@ -174,6 +174,13 @@ class DraftVocab:
             x = x.masked_fill(self.off.to(x.device), float("-inf"))
         return process_logits_batch(x, params)
 
+    def log_probs(self, small_logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> same, T = 1
+        """Log-softmax over the draft ids the tokenizer can emit (for ranking tree candidates)."""
+        x = small_logits.float()
+        if self.off is not None:
+            x = x.masked_fill(self.off.to(x.device), float("-inf"))
+        return torch.log_softmax(x, dim=-1)
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] draft ids -> target ids
         return self.d2t.to(draft_ids.device)[draft_ids]
 

@@ -46,7 +46,6 @@ class DFlashDrafter(Drafter):
         self.layers = tuple(net.cfg.feature_layers)
         self.needs_hidden = tuple(dict.fromkeys(self.layers))
         self.cost_per_token = cost_per_token
-        self.fingerprint = ""  # set by the loader (checkpoint path), keys the cost profile
         p = next(net.parameters())
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)

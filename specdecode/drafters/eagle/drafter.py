@@ -9,10 +9,11 @@ Contract:
   the next `propose` first runs them through the layer with the now-known next tokens
   (catch-up, one batched forward), which also yields the state the first draft comes from.
 - Chain (`tree=None`): K drafts sampled left to right from the drafter's processed q (the
-  request's temperature / top-k / top-p; the full-vocabulary q is returned for rejection
-  sampling). Each later draft is one batched forward of one row per request that attends to
-  the committed rows and the request's earlier draft rows (written past the committed length,
-  never committed).
+  request's temperature / top-k / top-p), processed and sampled in the draft vocabulary
+  (`DraftVocab`); q is scattered to the full vocabulary once, for rejection sampling. Each
+  later draft is one batched forward of one row per request that attends to the committed
+  rows and the request's earlier draft rows (written past the committed length, never
+  committed).
 - Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
@@ -31,9 +32,9 @@ import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
-from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
+from specdecode.drafters.layers import DraftVocab, attend, rope_table
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import process_logits_batch, sample
+from specdecode.sampling import sample
 from specdecode.verify import Verdict
 
 
@@ -58,9 +59,9 @@ class EagleDrafter(Drafter):
         self.tree = tree
         self.deterministic = tree is not None
         self.cost_per_token = cost_per_token
-        self.fingerprint = ""  # set by the builder (checkpoint hash), keys the cost profile
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 3d] features
         self._last: dict[int, torch.Tensor] = {}  # slot -> [d] output state of the last committed row
@@ -139,9 +140,6 @@ class EagleDrafter(Drafter):
             self._pending[slot] = []
 
     # ---- propose --------------------------------------------------------------------------
-    def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, d] states -> [B, V] fp32 logits over the target vocab (-inf off the draft vocab)."""
-        return draft_to_full_logits(self.net.logits(out), self.net.d2t, self.vocab_rows)
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
@@ -161,16 +159,17 @@ class EagleDrafter(Drafter):
         state = torch.stack([self._last[s] for s in slots])  # [B', d]
         sel = torch.tensor(idx)
         for j in range(max_k):
-            q = process_logits_batch(self._full_logits(state)[:, None], params, self.vocab_size)[:, 0]
+            q = self.vocab.probs(self.net.logits(state)[:, None], params)[:, 0]  # [B', Vd]
             u = torch.stack(
                 [
                     torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
                     for b in idx
                 ]
             )  # exactly num_draft[b] uniforms per request
-            x = sample(q, u.to(q.device))  # [B']
+            xd = sample(q, u.to(q.device))  # [B'] draft ids
+            x = self.vocab.to_target(xd)  # [B'] target ids
             draft_ids[sel, j] = x.cpu()
-            draft_probs[sel, j] = q.cpu()
+            draft_probs[sel, j] = self.vocab.to_full(q).cpu()  # the verifier's vocabulary
             if j + 1 < max_k:  # feed draft j at row base + j (uncommitted), position base + j + 1
                 rows = (base + j)[:, None]  # [B', 1]
                 col = torch.arange(int(base.max()) + j + 1)
@@ -203,9 +202,10 @@ class EagleDrafter(Drafter):
         out_of: dict[int, torch.Tensor] = {}  # node -> its output state [d]
 
         def expand(parent: int, state: torch.Tensor) -> list[int]:
-            logp = torch.log_softmax(self._full_logits(state[None])[0, : self.vocab_size].float(), -1)
+            logp = self.vocab.log_probs(self.net.logits(state[None]))[0]  # [Vd]
             top = logp.topk(spec.topk)
-            for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            ids = self.vocab.to_target(top.indices)
+            for s, t in zip(top.values.tolist(), ids.tolist(), strict=True):
                 toks.append(t)
                 pars.append(parent)
                 scores.append((scores[parent] if parent >= 0 else 0.0) + s)

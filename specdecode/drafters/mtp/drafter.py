@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal
-from specdecode.drafters.layers import attend, draft_to_full_logits, rope_table
+from specdecode.drafters.layers import DraftVocab, attend, rope_table
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import process_logits_batch, sample
+from specdecode.sampling import sample
 from specdecode.verify import Verdict
 
 
@@ -34,9 +34,9 @@ class MTPDrafter(Drafter):
         self.target = target.model
         self.vocab_size, self.vocab_rows = target.vocab_size, target.model.info.vocab_size
         self.cost_per_token = cost_per_token
-        self.fingerprint = ""
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.net.attach_head(target.model.lm_head_weight())
         self.caches: list[KVCache] = []
         self.hist: dict[int, list[torch.Tensor]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
@@ -110,8 +110,8 @@ class MTPDrafter(Drafter):
             hist[k] = torch.cat([hist[k], out])
 
     def _q(self, k: int, state: torch.Tensor, row: DraftRow) -> torch.Tensor:
-        full = draft_to_full_logits(self.net.logits(k, state[None]), self.net.d2t, self.vocab_rows)  # [1, V]
-        return process_logits_batch(full[:, None], [row.params], self.vocab_size)[0, 0]  # [V]
+        """Module k's processed q over the draft vocabulary, [Vd]."""
+        return self.vocab.probs(self.net.logits(k, state[None])[:, None], [row.params])[0, 0]
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
@@ -145,9 +145,9 @@ class MTPDrafter(Drafter):
                     state = spec[-1]
                 q = self._q(k, state, row)
                 u = torch.rand((), generator=row.generator)
-                x = int(sample(q[None], u[None].to(q.device))[0])
+                x = int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0])
                 drafts.append(x)
-                ids[b, k - 1], probs[b, k - 1] = x, q.cpu()
+                ids[b, k - 1], probs[b, k - 1] = x, self.vocab.to_full(q).cpu()
                 spec_prev = spec if k > 1 else hist[1][n:n]  # depth 1 has no draft-time rows
             num[b] = len(drafts)
         return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
