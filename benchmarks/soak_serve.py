@@ -117,6 +117,7 @@ def generate(openapi: dict, num: int, seed: int) -> list[tuple[str, dict]]:
         max_examples=1,
         deadline=None,
         database=None,
+        derandomize=True,  # the same plan on every run: a problem request can be replayed
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
@@ -324,9 +325,13 @@ async def _valid_traffic(url, prompts, clients, num, stop_when=None) -> list[flo
     return latencies
 
 
+problem_requests: list[dict] = []  # the requests behind `problems`, whole
+
+
 async def _abuse(url, port, plan, clients, done: asyncio.Event):
     statuses: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     problems: list[str] = []
+    problem_requests.clear()
     queue = asyncio.Queue()
     for item in plan:
         queue.put_nowait(item)
@@ -347,6 +352,8 @@ async def _abuse(url, port, plan, clients, done: asyncio.Event):
                     problem = "a schema-violating request was accepted"
                 if problem:
                     problems.append(f"{cat} / {name}: {problem} for {str(req)[:300]}")
+                    whole = {k: v.decode("latin-1") if isinstance(v, bytes) else v for k, v in req.items()}
+                    problem_requests.append({"kind": cat, "name": name, "problem": problem, "request": whole})
                 sent = sum(c.total() for c in statuses.values())
                 if sent % 250 == 0:
                     print(f"{sent} of {len(plan)} sent", file=sys.stderr)
@@ -459,6 +466,7 @@ def main() -> int:
         "quiet_after": {"latencies_s": after},
         "by_kind": {f"{c} / {n}": {str(s): k for s, k in st.items()} for (c, n), st in statuses.items()},
         "problems": problems,
+        "problem_requests": problem_requests,  # whole, for replaying (the plan is derandomized)
         "server_alive_after": alive,
         "server_exit_code": srv.returncode,
         "health_after": health,

@@ -178,7 +178,7 @@ def build(options: LoadOptions) -> SpecDecode:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
         costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
         verify_cost = [c / costs[0] for c in costs]
-        if getattr(drf, "model", None) is not None:
+        if drf.model is not None:  # a draft model: time its step too
             draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
     if o.policy in _SCHEDULED_POLICIES:
         if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)

@@ -80,6 +80,7 @@ class Drafter:
     cost_per_token: float = 0.0
     deterministic: bool = True  # True: point-mass drafts (draft_probs is None)
     provides_confidences: bool = False  # proposals carry extras["confidences"] [B, K]
+    model = None  # a drafter that is a CausalLM of its own (the draft model): its step is timed
 
     def setup(self, num_slots: int, max_len: int) -> None:
         """Called by the loop before requests arrive: size per-slot state."""

@@ -15,12 +15,12 @@ from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 from specdecode.policy.costs import StepCostModel
 from specdecode.policy.fixed import FixedK
 from specdecode.policy.profile import batch_step_costs, measure_step_costs, step_costs
-from specdecode.policy.scheduled import ConfidenceScheduler
+from specdecode.policy.scheduled import ScheduledK
 
 __all__ = [
     "POLICIES",
     "AdaptiveK",
-    "ConfidenceScheduler",
+    "ScheduledK",
     "DraftPolicy",
     "FixedK",
     "PolicyState",
@@ -52,5 +52,5 @@ def make_policy(
         if step_cost is None:
             raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")
         variant = "production" if name == "scheduled-production" else "exact"
-        return ConfidenceScheduler(k, step_cost, draft_cost=draft_cost, variant=variant, online=online)
+        return ScheduledK(k, step_cost, draft_cost=draft_cost, variant=variant, online=online)
     raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of: {', '.join(POLICIES)}")

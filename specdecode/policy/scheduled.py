@@ -1,7 +1,7 @@
 """Confidence-scheduled speculation (DSpark Algorithm 1; docs/methods.md, "DSpark").
 
 Contract:
-- `ConfidenceScheduler` is a draft-length policy for the whole batch (the `DraftPolicy`
+- `ScheduledK` is a draft-length policy for the whole batch (the `DraftPolicy`
   interface: `choose(states)`, `observe(state, num_draft, num_accepted)`, plus
   `bounds(states)` and `truncate(states, confidences, num_draft)` for drafters that report
   per-position confidences in `Proposal.extras["confidences"]` ([B, K], c_k = P(draft k accepted
@@ -47,7 +47,7 @@ from specdecode.policy.base import DraftPolicy, PolicyState
 from specdecode.policy.costs import StepCostModel, fill_gaps
 
 
-class ConfidenceScheduler(DraftPolicy):
+class ScheduledK(DraftPolicy):
     """DSpark's hardware-aware prefix scheduler as a draft-length policy (see module docstring)."""
 
     PRIOR = 0.5  # per-position acceptance before anything is observed

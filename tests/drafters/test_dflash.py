@@ -12,13 +12,13 @@ from specdecode.drafter import DraftRow
 from specdecode.drafters import build_drafter
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load_dflash
-from specdecode.drafters.dflash.model import block_batch
 from specdecode.drafters.dspark import load_dspark
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK
 from specdecode.training.calibrate import auroc, ece, fit_sts, labels, report, survival
 from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
+from specdecode.training.methods.dflash import block_batch
 
 
 def test_feature_layers_follow_the_paper():
@@ -179,8 +179,8 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     """With the full-vocabulary log-sum-exp, the acceptance label is 1 - TV over the full
     vocabulary (the drafter puts no mass outside its vocabulary); without it, p_t is
     renormalised on the draft vocabulary."""
-    from specdecode.drafters.dspark.model import DSpark, dspark_loss
-    from specdecode.training.methods.dspark import full_logsumexp
+    from specdecode.drafters.dspark.model import DSpark
+    from specdecode.training.methods.dspark import dspark_loss, full_logsumexp
 
     torch.manual_seed(0)
     cfg = DFlashConfig(

@@ -14,7 +14,7 @@ from specdecode.engine.engine import Engine, EngineClosed, QueueFull
 from specdecode.engine.metrics import Metrics
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
-from specdecode.policy import ConfidenceScheduler, FixedK, StepCostModel
+from specdecode.policy import FixedK, ScheduledK, StepCostModel
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def tiny(tiny_llama_dir):
 
 
 def _engine(tiny, max_batch=4, max_queue=8, policy=None):
-    pol = policy or ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01))
+    pol = policy or ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01))
     dec = SpeculativeDecoder(tiny, NgramDrafter(), pol, max_batch=max_batch)
     return Engine(dec, max_batch=max_batch, max_model_len=256, max_queue=max_queue, prefill_chunk=32)
 

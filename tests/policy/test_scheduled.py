@@ -14,7 +14,7 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.policy import ConfidenceScheduler, FixedK, PolicyState, StepCostModel
+from specdecode.policy import FixedK, PolicyState, ScheduledK, StepCostModel
 from specdecode.policy.profile import batch_step_costs
 
 
@@ -66,13 +66,13 @@ def _states(n, context=100, rate=None, k=4):
 
 # ---- decisions -------------------------------------------------------------------------------
 def test_flat_costs_and_good_acceptance_draft_everything():
-    sch = ConfidenceScheduler(4, StepCostModel.flat())
+    sch = ScheduledK(4, StepCostModel.flat())
     assert sch.choose(_states(3, rate=0.9)) == [4, 4, 4]
 
 
 def test_compute_bound_costs_turn_speculation_off():
     # Verifying k+1 tokens costs k+1 steps: not even perfect acceptance pays; no probing either.
-    sch = ConfidenceScheduler(4, StepCostModel.linear(0.01))
+    sch = ScheduledK(4, StepCostModel.linear(0.01))
     states = _states(2, rate=1.0)
     assert all(sch.choose(states) == [0, 0] for _ in range(100))
 
@@ -81,7 +81,7 @@ def test_load_turns_speculation_down():
     # A fixed cost per step (weights read once) plus a cost per token: cheap to verify at low
     # load, expensive when the batch already fills the machine.
     cost = StepCostModel.flat(step=1.0, per_token=0.1)
-    sch = ConfidenceScheduler(4, cost)
+    sch = ScheduledK(4, cost)
     assert sum(sch.choose(_states(1, rate=0.8))) > 0
     assert sch.choose(_states(64, rate=0.8)) == [0] * 64
 
@@ -90,13 +90,13 @@ def test_long_context_turns_speculation_down():
     # Attention over the context costs per verified token: at 8k tokens it dominates.
     rows, blocks, ctxs = [1, 8], [1, 5], [0, 8192]
     times = [[[1.0 + 0.01 * r * b + c * 0.001 * r * b for b in blocks] for r in rows] for c in ctxs]
-    sch = ConfidenceScheduler(4, StepCostModel(rows, blocks, ctxs, times))
+    sch = ScheduledK(4, StepCostModel(rows, blocks, ctxs, times))
     assert sum(sch.choose(_states(2, context=100, rate=0.7))) > 0
     assert sch.choose(_states(2, context=8000, rate=0.7)) == [0, 0]
 
 
 def test_low_acceptance_stops_drafting_then_probes():
-    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.05), probe_every=4)
+    sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.05), probe_every=4)
     st = PolicyState(context_len=50)
     assert sch.choose([st])[0] > 0  # optimistic enough to try
     for _ in range(40):
@@ -107,7 +107,7 @@ def test_low_acceptance_stops_drafting_then_probes():
 
 def test_drafts_asked_for_but_not_proposed_count_as_rejections():
     # An n-gram drafter without a match proposes nothing, yet the padded column is paid for.
-    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.05))
+    sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.05))
     st = PolicyState(context_len=50)
     assert sch.choose([st])[0] > 0
     for _ in range(40):
@@ -117,7 +117,7 @@ def test_drafts_asked_for_but_not_proposed_count_as_rejections():
 
 
 def test_room_caps_drafts():
-    sch = ConfidenceScheduler(4, StepCostModel.flat())
+    sch = ScheduledK(4, StepCostModel.flat())
     states = _states(2, rate=0.9)
     states[0].room = 1
     assert sch.choose(states) == [1, 4]
@@ -128,14 +128,14 @@ def test_algorithm1_on_confidences_stops_at_first_non_increase():
     # survival 0.9, 0.45, 0.405. Theta: 1.0 -> 1.9/1.5 = 1.267 -> 2.35/1.6 = 1.469 -> stop at
     # block 4 (2.755 / 3.0). The last candidate would not raise Theta.
     cost = StepCostModel([1], [1, 2, 3, 4], [0], [[[1.0, 1.5, 1.6, 3.0]]])
-    sch = ConfidenceScheduler(3, cost)
+    sch = ScheduledK(3, cost)
     conf = torch.tensor([[0.9, 0.5, 0.9]])
     assert sch.truncate(_states(1), conf, [3]) == [2]
     # Across requests, by survival: once a block length is paid for (rows are padded to it), the
     # other rows' candidates at that position cost nothing and are admitted; a deeper block is
     # not worth it for survival 0.05.
     cost = StepCostModel.flat(step=1.0, per_token=0.1, max_rows=2)  # 1.2, 1.4, 1.6 s at 2 rows
-    sch = ConfidenceScheduler(2, cost)
+    sch = ScheduledK(2, cost)
     conf = torch.tensor([[0.99, 0.05], [0.2, 0.1]])
     assert sch.truncate(_states(2), conf, [2, 2]) == [1, 1]
     conf = torch.tensor([[0.99, 0.99], [0.2, 0.1]])
@@ -143,7 +143,7 @@ def test_algorithm1_on_confidences_stops_at_first_non_increase():
 
 
 def test_production_variant_uses_the_budget_of_two_steps_earlier():
-    sch = ConfidenceScheduler(3, StepCostModel.flat(step=1.0, per_token=0.01), variant="production")
+    sch = ScheduledK(3, StepCostModel.flat(step=1.0, per_token=0.01), variant="production")
     high, low = torch.full((2, 3), 0.95), torch.full((2, 3), 0.01)
     states = _states(2)
     sch.truncate(states, high, [3, 3])  # budget from these: 6 draft tokens
@@ -156,7 +156,7 @@ def test_confidence_drafter_runs_only_when_a_round_is_expected_to_pay():
     # A drafting round costs one target step; verifying is nearly free. Confident rounds pay,
     # so everyone may draft; once the reported survival is low, nobody drafts (the drafter does
     # not run) except probe rounds, which back off.
-    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
+    sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
     states = _states(2)
     assert sch.bounds(states) == [4, 4]  # nothing known yet: optimistic
     sch.truncate(states, torch.full((2, 4), 0.95), [4, 4])
@@ -176,14 +176,14 @@ def test_confidence_drafter_runs_only_when_a_round_is_expected_to_pay():
 
 def test_truncation_ignores_the_sunk_drafting_cost():
     # The drafts exist already: a costly drafter does not make admitting them look worse.
-    sch = ConfidenceScheduler(2, StepCostModel.flat(step=1.0, per_token=0.05), draft_cost=5.0)
+    sch = ScheduledK(2, StepCostModel.flat(step=1.0, per_token=0.05), draft_cost=5.0)
     assert sch.truncate(_states(1), torch.tensor([[0.9, 0.9]]), [2]) == [2]
 
 
 def test_online_costs_follow_the_measured_steps():
     # The profile says verifying is nearly free; the machine says a block of 5 costs 5 steps and
     # a drafting round 1 step: the statistics-based schedule turns drafting off.
-    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
+    sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
     states = _states(1, rate=0.9)
     assert sch.choose(states) == [4]
     for _ in range(50):
@@ -198,11 +198,11 @@ def test_online_costs_follow_the_measured_steps():
         sch.observe_step(1, 1, 100, 0, draft_s=0.0, verify_s=1.0)
     assert sch.choose(states)[0] > 0
     # One slow step moves a correction by a tenth only.
-    fresh = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
+    fresh = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01), online=True)
     fresh.observe_step(1, 5, 100, 4, draft_s=0.0, verify_s=100.0)
     assert fresh.verify_scale[5] < 2.0
     # Without `online` the measurements are ignored.
-    off = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01))
+    off = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01))
     off.observe_step(1, 5, 100, 4, draft_s=1.0, verify_s=5.0)
     assert off.verify_scale[5] is None and off.choose(states) == [4]
 
@@ -224,7 +224,7 @@ def test_loop_skips_the_confidence_drafter_when_it_cannot_pay(tiny, tiny_drafter
     prompts = _prompts(tiny.tokenizer)[:1]
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
     base = _run(tiny, ARDrafter(), FixedK(0), prompts, max_new=60)
-    sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
+    sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01), draft_cost=0.25)
     spec = _run(tiny, Unconfident(tiny_drafter.model, v, rows), sch, prompts, max_new=60)
     assert spec[0].token_ids == base[0].token_ids
     assert 1 <= Unconfident.calls <= 6  # 60 steps: the first round, then probes at 8, 16, 32
@@ -260,7 +260,7 @@ def test_greedy_scheduled_equals_greedy_ar(tiny, tiny_drafter, variant):
     prompts = _prompts(tiny.tokenizer)
     base = _run(tiny, ARDrafter(), FixedK(0), prompts)
     for name, make in _drafters(tiny, tiny_drafter).items():
-        sch = ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01), variant=variant)
+        sch = ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01), variant=variant)
         spec = _run(tiny, make(), sch, prompts, max_batch=2)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], name
         if name in ("always-agrees", "confident-self"):
@@ -278,7 +278,7 @@ def test_seeded_sampling_is_independent_of_k_policy_and_batch(tiny):
         _run(
             tiny,
             GreedySelfDrafter(tiny.model, v, rows),
-            ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01)),
+            ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01)),
             prompts,
             params=params,
             max_batch=3,
@@ -286,12 +286,12 @@ def test_seeded_sampling_is_independent_of_k_policy_and_batch(tiny):
         _run(
             tiny,
             GreedySelfDrafter(tiny.model, v, rows),
-            ConfidenceScheduler(4, StepCostModel.flat(step=1.0, per_token=0.01)),
+            ScheduledK(4, StepCostModel.flat(step=1.0, per_token=0.01)),
             prompts[1:2],
             params=params,
             seed=1,
         ),
-        _run(tiny, NgramDrafter(), ConfidenceScheduler(4, StepCostModel.flat()), prompts, params=params),
+        _run(tiny, NgramDrafter(), ScheduledK(4, StepCostModel.flat()), prompts, params=params),
     ]
     taus = [r.tau for r in runs[0] + runs[1]]
     # Drafts were accepted at T = 1 (how many depends on each seed's samples, so on average).
@@ -306,7 +306,7 @@ def test_match_mode_with_a_stochastic_drafter_is_independent_of_k(tiny, tiny_dra
     params = SamplingParams(temperature=1.0, top_k=20)
     v, rows = tiny.vocab_size, tiny.model.info.vocab_size
     base = _run(tiny, ARDrafter(), FixedK(0), prompts, params=params)
-    sch = ConfidenceScheduler(4, StepCostModel.flat())
+    sch = ScheduledK(4, StepCostModel.flat())
     spec = _run(
         tiny, ConfidentDrafter(tiny_drafter.model, v, rows), sch, prompts, params=params, mode="match"
     )
@@ -331,7 +331,7 @@ def test_confidence_truncation_keeps_the_target_distribution(tiny, tiny_drafter)
 
     ar = draw(ARDrafter(), FixedK(0), 0)
     cost = StepCostModel([1, 64], [1, 2, 3], [0], [[[1.0, 1.3, 1.35], [1.0, 1.3, 1.35]]])
-    sd = draw(ConfidentDrafter(tiny_drafter.model, v, rows), ConfidenceScheduler(2, cost), 10**6)
+    sd = draw(ConfidentDrafter(tiny_drafter.model, v, rows), ScheduledK(2, cost), 10**6)
     keys = [k for k in set(ar) | set(sd) if ar[k] + sd[k] >= 10]
     assert len(keys) >= 4
     assert chi2_contingency([[ar[k] for k in keys], [sd[k] for k in keys]]).pvalue > 1e-3

@@ -45,7 +45,7 @@ from specdecode.drafters.layers import target_shape
 from specdecode.drafters.medusa import Medusa, MedusaConfig, MedusaDrafter
 from specdecode.drafters.mtp import MTP, MTPConfig, MTPDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.policy import ConfidenceScheduler, FixedK, StepCostModel
+from specdecode.policy import FixedK, ScheduledK, StepCostModel
 from specdecode.tree import tree_from_paths
 
 DEPTH = 4  # tokens of the joint law: K = 3 drafts and the bonus after them
@@ -155,7 +155,7 @@ class Family:
 def _scheduler():
     # Flat step cost plus a little per verified token: at a full batch only the most confident
     # drafts pay for a longer block, so how many a request keeps depends on the whole batch.
-    return ConfidenceScheduler(K, StepCostModel.flat(step=1.0, per_token=3e-6, max_rows=MAX_BATCH))
+    return ScheduledK(K, StepCostModel.flat(step=1.0, per_token=3e-6, max_rows=MAX_BATCH))
 
 
 def _draft_model(pk):

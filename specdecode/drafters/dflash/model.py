@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter network and its training loss (docs/methods.md, "DFlash").
+"""DFlash block-diffusion drafter network (docs/methods.md, "DFlash").
 DSpark (drafters/dspark/) reuses this backbone with the anchor-slot layout.
 
 Contract:
@@ -21,13 +21,6 @@ Contract:
 - `block_states(emb [S, A, B, d], positions [S, A, B], ctx_kv, ctx_visible [S, A, T])` -> final
   states `[S, A, B, d]` of A blocks per sequence; `ctx_visible` marks the context rows a block may
   read (strictly before its anchor, at training and at inference).
-- `sample_anchors(loss_mask, lengths, num_anchors)`: random anchors a >= 1 whose next token is a
-  response token (uniform, without replacement; the global torch RNG, so the trainer's saved
-  RNG state makes a resumed run draw the same anchors).
-- `block_batch(net, ctx, embed, input_ids, loss_mask, lengths, num_anchors)`: packs the blocks of
-  a training batch and returns their final states plus the aligned labels / weights; the
-  weights are exp(-(j-1)/loss_decay) for draft j (1-based), 0 for labels past the sequence or
-  outside the response. `dflash_loss` = weighted CE on the draft slots.
 Legend: S sequences (or requests), T context rows, A blocks per sequence, B slots per block,
 d width, H/Hk heads, D head dim, Vd draft vocabulary.
 """
@@ -37,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.layers import (
@@ -190,65 +182,9 @@ class DFlash(nn.Module):
         return states @ head_w.T.to(states.dtype)
 
 
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int):
-    """-> anchors [S, A] long, valid [S, A] bool (A = min(num_anchors, most candidates))."""
-    S, T = loss_mask.shape
-    pos = torch.arange(T)
-    nxt = F.pad(loss_mask[:, 1:], (0, 1)).cpu().bool()  # next token is a response token
-    cand = nxt & (pos[None] >= 1) & (pos[None] + 1 < lengths.cpu()[:, None])
-    A = max(1, min(num_anchors, int(cand.sum(1).max())))
-    anchors = torch.zeros(S, A, dtype=torch.long)
-    valid = torch.zeros(S, A, dtype=torch.bool)
-    for s in range(S):
-        c = cand[s].nonzero()[:, 0]
-        pick = c[torch.randperm(len(c))[:A]].sort().values
-        anchors[s, : len(pick)], valid[s, : len(pick)] = pick, True
-    return anchors, valid
-
-
-def block_batch(net: DFlash, ctx, embed, input_ids, loss_mask, lengths, num_anchors: int) -> dict:
-    """Pack random blocks of a batch (see module docstring). ctx [S, T, d] fused context;
-    `embed`: [..] ids -> [.., d] frozen target embedding. Returns dict(states [S, A, Bd, d] of the
-    draft slots, labels [S, A, Bd] (target ids), prev [S, A, Bd] (the token before each label),
-    label_pos [S, A, Bd], weight [S, A, Bd])."""
-    cfg = net.cfg
-    dev = ctx.device
-    S, T, _ = ctx.shape
-    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors)
-    anchors, valid = anchors.to(dev), valid.to(dev)
-    B = cfg.block_size
-    pos = torch.arange(T, device=dev)
-    ctx_kv = net.context_kv(ctx, pos[None].expand(S, T))
-    ctx_visible = pos[None, None] < anchors[:, :, None]  # [S, A, T]: strictly before the anchor
-    anchor_ids = torch.gather(input_ids, 1, anchors)  # [S, A]
-    emb = net.block_input(embed(anchor_ids).to(ctx.dtype))  # [S, A, B, d]
-    slot_pos = anchors[:, :, None] + torch.arange(B, device=dev)  # [S, A, B]
-    states = net.block_states(emb, slot_pos, ctx_kv, ctx_visible)[:, :, cfg.first_draft_slot :]
-    j = torch.arange(cfg.num_drafts, device=dev)  # draft index, 0-based
-    label_pos = anchors[:, :, None] + 1 + j  # [S, A, Bd]
-    inside = label_pos < lengths.to(dev)[:, None, None]
-    lp = label_pos.clamp(max=T - 1).reshape(S, -1)
-    labels = torch.gather(input_ids, 1, lp).view_as(label_pos)
-    prev = torch.gather(input_ids, 1, (lp - 1)).view_as(label_pos)
-    resp = torch.gather(loss_mask, 1, lp).view_as(label_pos).bool()
-    decay = torch.exp(-j.float() / cfg.loss_decay)
-    weight = decay * (inside & resp & valid[:, :, None]).float()
-    return {"states": states, "labels": labels, "prev": prev, "label_pos": label_pos, "weight": weight}
-
-
 def to_draft_ids(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Target ids -> draft ids (Vd for tokens outside the draft vocabulary)."""
     return t2d.to(ids.device)[ids]
-
-
-def dflash_loss(net: DFlash, head_w, t2d, packed: dict) -> tuple[torch.Tensor, dict]:
-    """Position-decayed CE on the draft slots (labels outside the draft vocabulary are skipped)."""
-    logits = net.logits(packed["states"], head_w).float()  # [S, A, Bd, Vd]
-    y = to_draft_ids(packed["labels"], t2d)
-    w = packed["weight"] * (y < logits.shape[-1]).float()
-    ce = F.cross_entropy(logits.flatten(0, 2), y.clamp(max=logits.shape[-1] - 1).flatten(), reduction="none")
-    loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
-    return loss, {"loss_ce": float(loss.detach()), **slot_accuracy(logits, y, w)}
 
 
 def slot_accuracy(logits, y, w, slots=(0, 1, 3)) -> dict:

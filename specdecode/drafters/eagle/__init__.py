@@ -9,9 +9,9 @@ from __future__ import annotations
 from specdecode.drafter import Method
 from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
-from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_loss
+from specdecode.drafters.eagle.model import Eagle3, EagleConfig
 
-__all__ = ["Eagle3", "EagleConfig", "EagleDrafter", "TreeSpec", "load_eagle", "ttt_loss"]
+__all__ = ["Eagle3", "EagleConfig", "EagleDrafter", "TreeSpec", "load_eagle"]
 
 
 def load_eagle(path, target, tree: TreeSpec | None = None) -> EagleDrafter:

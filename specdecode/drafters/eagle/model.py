@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter network and its training loss (docs/methods.md, "EAGLE-3").
+"""EAGLE-3 drafter network (docs/methods.md, "EAGLE-3").
 
 Contract:
 - `EagleConfig`: architecture fields stored in the checkpoint's config.json. `feature_layers`
@@ -9,12 +9,6 @@ Contract:
   The target's embedding is frozen and shared (passed in, never stored).
 - Row alignment: row t holds (feature of position t, token x_{t+1}) at RoPE position t + 1 and
   predicts x_{t+2}. Its output state is the "feature" the next draft step reads.
-- `ttt_loss(...)`: training-time test. Step 0 reads the target's features; step j > 0 reads the
-  drafter's own step j-1 outputs and token x_{t+1+j}, attending causally to the step-0 keys and
-  to its own chain of keys from steps 1..j (exactly what a query sees when drafting). Each step is
-  a soft cross-entropy against the target's distribution over the draft vocabulary (from the
-  target's final normed state; computed as KL, which has the same gradient and reads 0 for a
-  perfect drafter), weighted 0.8^j and masked to response tokens.
 Legend: B batch, T sequence rows, d width, Vd draft vocabulary, H/Hk heads, D head dim.
 """
 
@@ -33,7 +27,6 @@ from specdecode.drafters.layers import (
     RMSNorm,
     SwiGLU,
     rope_table,
-    shifted_kl,
     target_shape,
 )
 
@@ -140,25 +133,3 @@ def ttt_forward(
         hidden = model.layer_out(hidden, _ttt_attend(q, keys, values, causal))  # [B, T, d]
         outs.append(hidden)
     return outs
-
-
-def ttt_loss(
-    model: Eagle3,
-    embed,  # callable: [B, T] ids -> [B, T, d]
-    feats: torch.Tensor,  # [B, T, 3d]
-    target_logits: torch.Tensor,  # [B, T, Vd] target logits over the draft vocab at each position
-    input_ids: torch.Tensor,  # [B, T] long
-    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
-    lengths: torch.Tensor,  # [B]
-    num_steps: int = 3,
-    decay: float = 0.8,
-) -> tuple[torch.Tensor, dict]:
-    """Training-time-test loss (see module docstring); returns (loss, {"acc_j": ..., "loss_j": ...})."""
-    total, weight_sum, logs = 0.0, 0.0, {}
-    for j, out in enumerate(ttt_forward(model, embed, feats, input_ids, lengths, num_steps)):
-        # Row t's prediction (x_{t+2+j}) is checked against the target's logits at t+1+j.
-        step_loss, acc = shifted_kl(model.logits(out), target_logits, loss_mask, lengths, shift=1 + j)
-        total = total + decay**j * step_loss
-        weight_sum += decay**j
-        logs[f"loss_{j}"], logs[f"acc_{j}"] = float(step_loss.detach()), float(acc)
-    return total / weight_sum, logs

@@ -1,4 +1,4 @@
-"""Medusa heads (Cai et al. 2024, Medusa-1: frozen target) and their loss.
+"""Medusa heads (Cai et al. 2024, Medusa-1: frozen target).
 
 Contract:
 - `MedusaConfig`: num_heads K, width d, draft vocabulary size; `d2t` maps draft ids to target ids.
@@ -7,9 +7,6 @@ Contract:
   initialised, so every head starts as the target's own next-token head); W is ONE head over the
   reduced draft vocabulary shared by all heads and initialised from the target head's rows (K
   full-vocabulary heads would not fit the 30 MB budget of a shipped drafter on small targets).
-- `medusa_loss(...)`: head k is trained against the target's own distribution at position
-  t + k (self-distillation, soft labels over the draft vocabulary, computed as KL), weighted
-  0.8^k, masked to response tokens.
 Legend: B batch, T rows, d width, K heads, Vd draft vocabulary.
 """
 
@@ -21,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import DraftConfig, ReducedHead, shifted_kl
+from specdecode.drafters.layers import DraftConfig, ReducedHead
 
 
 @dataclass
@@ -48,22 +45,3 @@ class Medusa(ReducedHead, nn.Module):
         """h [..., d] final normed target states -> [..., K, Vd] logits of heads 1..K."""
         outs = [self.head(F.silu(blk(h)) + h) for blk in self.blocks]
         return torch.stack(outs, dim=-2)
-
-
-def medusa_loss(
-    model: Medusa,
-    h: torch.Tensor,  # [B, T, d] final normed target states
-    target_logits: torch.Tensor,  # [B, T, Vd] target logits over the draft vocab
-    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
-    lengths: torch.Tensor,  # [B]
-    decay: float = 0.8,
-) -> tuple[torch.Tensor, dict]:
-    logits = model(h)  # [B, T, K, Vd]
-    total, wsum, logs = 0.0, 0.0, {}
-    for k in range(1, model.cfg.num_heads + 1):
-        # Head k at row t predicts x_{t+k+1}; the target's distribution for it sits at row t+k.
-        step, acc = shifted_kl(logits[:, :, k - 1], target_logits, loss_mask, lengths, shift=k)
-        total = total + decay**k * step
-        wsum += decay**k
-        logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
-    return total / wsum, logs

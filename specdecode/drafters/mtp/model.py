@@ -1,4 +1,4 @@
-"""DeepSeek-style multi-token prediction (MTP) modules (DeepSeek-V3 report, sec. 2.2) and loss.
+"""DeepSeek-style multi-token prediction (MTP) modules (DeepSeek-V3 report, sec. 2.2).
 
 Contract:
 - `MTP(cfg)`: D chained modules. Module k at position i reads the previous depth's state
@@ -11,10 +11,6 @@ Contract:
   vocabulary (`d2t`), gathered from the target at load time, so the checkpoint holds only the
   modules (a full-vocabulary head per draft token costs nearly a target step on small targets).
 - `mtp_forward(model, embed, h0, input_ids, lengths)` -> [h^1, ..., h^D] ([B, T, d] each).
-- `mtp_loss(...)`: lambda/D * sum_k KL(target || module k) over response tokens, where the
-  target's distribution for t_{i+k+1} is its logits at position i+k (self-distillation). With
-  a frozen target only the modules learn (mode "frozen"); "native" joint training adds the
-  target's own next-token loss and trains the trunk too (training/methods/mtp.py).
 Legend: B batch, T rows, d width, D modules, Vd draft vocabulary.
 """
 
@@ -33,7 +29,6 @@ from specdecode.drafters.layers import (
     SwiGLU,
     attend,
     rope_table,
-    shifted_kl,
 )
 
 
@@ -112,15 +107,3 @@ def mtp_forward(model: MTP, embed, h0: torch.Tensor, input_ids: torch.Tensor, le
         h = mod.finish(x, attend(q, kk, v, causal))
         outs.append(h)
     return outs
-
-
-def mtp_loss(model: MTP, embed, h0, target_logits, input_ids, loss_mask, lengths, weight: float = 1.0):
-    """(lambda / D) sum_k KL at each depth; returns (loss, logs)."""
-    total, logs = 0.0, {}
-    outs = mtp_forward(model, embed, h0, input_ids, lengths)
-    for k, h in enumerate(outs, start=1):
-        # Module k at row i predicts t_{i+k+1}; the target's distribution for it sits at row i+k.
-        step, acc = shifted_kl(model.logits(k, h), target_logits, loss_mask, lengths, shift=k)
-        total = total + step
-        logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
-    return weight * total / len(outs), logs

@@ -5,6 +5,14 @@ most frequent response tokens of the training data, EOS always included), builds
 whose head starts from the target head's rows, and exposes what `train()` needs. The loss
 module reads the target features (low ; mid ; high) and the target's final normed state, from
 which it computes the target's logits over the draft vocabulary (the soft labels).
+
+The loss:
+- `ttt_loss(...)`: training-time test. Step 0 reads the target's features; step j > 0 reads the
+  drafter's own step j-1 outputs and token x_{t+1+j}, attending causally to the step-0 keys and
+  to its own chain of keys from steps 1..j (exactly what a query sees when drafting). Each step is
+  a soft cross-entropy against the target's distribution over the draft vocabulary (from the
+  target's final normed state; computed as KL, which has the same gradient and reads 0 for a
+  perfect drafter), weighted 0.8^j and masked to response tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +22,32 @@ from torch import nn
 
 from specdecode.drafter import Drafter
 from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
-from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_loss
+from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_forward
+from specdecode.drafters.layers import shifted_kl
 from specdecode.models.base import FINAL_NORM
 from specdecode.training.vocab import draft_vocabulary
+
+
+def ttt_loss(
+    model: Eagle3,
+    embed,  # callable: [B, T] ids -> [B, T, d]
+    feats: torch.Tensor,  # [B, T, 3d]
+    target_logits: torch.Tensor,  # [B, T, Vd] target logits over the draft vocab at each position
+    input_ids: torch.Tensor,  # [B, T] long
+    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
+    lengths: torch.Tensor,  # [B]
+    num_steps: int = 3,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict]:
+    """Training-time-test loss (see module docstring); returns (loss, {"acc_j": ..., "loss_j": ...})."""
+    total, weight_sum, logs = 0.0, 0.0, {}
+    for j, out in enumerate(ttt_forward(model, embed, feats, input_ids, lengths, num_steps)):
+        # Row t's prediction (x_{t+2+j}) is checked against the target's logits at t+1+j.
+        step_loss, acc = shifted_kl(model.logits(out), target_logits, loss_mask, lengths, shift=1 + j)
+        total = total + decay**j * step_loss
+        weight_sum += decay**j
+        logs[f"loss_{j}"], logs[f"acc_{j}"] = float(step_loss.detach()), float(acc)
+    return total / weight_sum, logs
 
 
 class EagleLoss(nn.Module):

@@ -3,6 +3,11 @@
 Contract: `MedusaTask(target, seqs, num_heads, draft_vocab_size)` builds `Medusa` with the most
 frequent response tokens as draft vocabulary (shared with EAGLE's choice) and a loss module that
 reads the target's final normed state (`-1`) and computes the soft labels from it.
+
+The loss:
+- `medusa_loss(...)`: head k is trained against the target's own distribution at position
+  t + k (self-distillation, soft labels over the draft vocabulary, computed as KL), weighted
+  0.8^k, masked to response tokens.
 """
 
 from __future__ import annotations
@@ -10,10 +15,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.drafters.layers import shifted_kl
 from specdecode.drafters.medusa.drafter import MedusaDrafter
-from specdecode.drafters.medusa.model import Medusa, MedusaConfig, medusa_loss
+from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.models.base import FINAL_NORM
 from specdecode.training.vocab import draft_vocabulary
+
+
+def medusa_loss(
+    model: Medusa,
+    h: torch.Tensor,  # [B, T, d] final normed target states
+    target_logits: torch.Tensor,  # [B, T, Vd] target logits over the draft vocab
+    loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
+    lengths: torch.Tensor,  # [B]
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict]:
+    logits = model(h)  # [B, T, K, Vd]
+    total, wsum, logs = 0.0, 0.0, {}
+    for k in range(1, model.cfg.num_heads + 1):
+        # Head k at row t predicts x_{t+k+1}; the target's distribution for it sits at row t+k.
+        step, acc = shifted_kl(logits[:, :, k - 1], target_logits, loss_mask, lengths, shift=k)
+        total = total + decay**k * step
+        wsum += decay**k
+        logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
+    return total / wsum, logs
 
 
 class MedusaLoss(nn.Module):

@@ -15,6 +15,12 @@ Contract:
   that target. Evaluation runs the real loop on it.
 - `response_nll(model, seqs)`: mean next-token NLL of a transformers causal LM over response
   tokens (exp = perplexity), for comparing a jointly trained target with the original.
+
+The loss:
+- `mtp_loss(...)`: lambda/D * sum_k KL(target || module k) over response tokens, where the
+  target's distribution for t_{i+k+1} is its logits at position i+k (self-distillation). With
+  a frozen target only the modules learn (mode "frozen"); "native" joint training adds the
+  target's own next-token loss and trains the trunk too (training/methods/mtp.py).
 """
 
 from __future__ import annotations
@@ -27,14 +33,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import target_shape
+from specdecode.drafters.layers import shifted_kl, target_shape
 from specdecode.drafters.mtp.drafter import MTPDrafter
-from specdecode.drafters.mtp.model import MTP, MTPConfig, mtp_loss
+from specdecode.drafters.mtp.model import MTP, MTPConfig, mtp_forward
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.loader import load_model
 from specdecode.training.data import collate, plan_batches
 from specdecode.training.vocab import draft_vocabulary
+
+
+def mtp_loss(model: MTP, embed, h0, target_logits, input_ids, loss_mask, lengths, weight: float = 1.0):
+    """(lambda / D) sum_k KL at each depth; returns (loss, logs)."""
+    total, logs = 0.0, {}
+    outs = mtp_forward(model, embed, h0, input_ids, lengths)
+    for k, h in enumerate(outs, start=1):
+        # Module k at row i predicts t_{i+k+1}; the target's distribution for it sits at row i+k.
+        step, acc = shifted_kl(model.logits(k, h), target_logits, loss_mask, lengths, shift=k)
+        total = total + step
+        logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
+    return weight * total / len(outs), logs
 
 
 class MTPLoss(nn.Module):
