@@ -286,9 +286,15 @@ class SpeculativeDecoder:
         return budget
 
     def _step(self, running: list[RunningRequest]) -> list[Verdict]:
-        m = self
         return speculate(
-            running, m.model, m.cache, m.drafter, m.policy, m.vocab_size, m.verify_mode, m.last_step
+            running,
+            self.model,
+            self.cache,
+            self.drafter,
+            self.policy,
+            self.vocab_size,
+            self.verify_mode,
+            self.last_step,
         )
 
     # ---- offline API --------------------------------------------------------------------

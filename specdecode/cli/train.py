@@ -14,7 +14,7 @@ from specdecode.cli import options
 from specdecode.drafters import REGISTRY
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
-from specdecode.training.run import TRAINABLE, run_training
+from specdecode.training.run import TRAINABLE, run_training, trainable
 from specdecode.training.trainer import TrainConfig
 
 _REGEN_HELP = "directory from `specdecode data regen`"
@@ -98,7 +98,8 @@ def _per_method(dest: str) -> str:
 
 def _task_options(a: argparse.Namespace) -> dict:
     """The settings a method's training task takes: the flags given, else the method's defaults."""
-    defaults = next((m.train_options for m in REGISTRY if a.method in (m.name, m.task)), {})
+    record = trainable(a.method)
+    defaults = record.train_options if record is not None else {}  # run_training refuses the rest
     kw = {k: v if getattr(a, k) is None else getattr(a, k) for k, v in defaults.items()}
     if a.mode == "native":  # run_training refuses it for other methods
         kw |= {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}

@@ -167,19 +167,16 @@ class DraftVocab:
         off = d2t >= vocab_size  # [Vd] draft ids the tokenizer never emits (padded head rows)
         self.off = off if bool(off.any()) else None
 
-    def probs(self, small_logits: torch.Tensor, params: list) -> torch.Tensor:  # [B, N, Vd] -> same
-
+    def _emittable(self, small_logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] fp32
         x = small_logits.float()
-        if self.off is not None:
-            x = x.masked_fill(self.off.to(x.device), float("-inf"))
-        return process_logits_batch(x, params)
+        return x if self.off is None else x.masked_fill(self.off.to(x.device), float("-inf"))
+
+    def probs(self, small_logits: torch.Tensor, params: list) -> torch.Tensor:  # [B, N, Vd] -> same
+        return process_logits_batch(self._emittable(small_logits), params)
 
     def log_probs(self, small_logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> same, T = 1
         """Log-softmax over the draft ids the tokenizer can emit (for ranking tree candidates)."""
-        x = small_logits.float()
-        if self.off is not None:
-            x = x.masked_fill(self.off.to(x.device), float("-inf"))
-        return torch.log_softmax(x, dim=-1)
+        return torch.log_softmax(self._emittable(small_logits), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] draft ids -> target ids
         return self.d2t.to(draft_ids.device)[draft_ids]

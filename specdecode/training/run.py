@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.drafter import Method
 from specdecode.drafters import REGISTRY
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
@@ -24,12 +25,17 @@ from specdecode.training.trainer import train
 TRAINABLE = tuple(m.task for m in REGISTRY if m.task is not None)
 
 
+def trainable(method: str) -> Method | None:
+    """The registry record whose training task `specdecode train METHOD` runs, or None."""
+    return next((m for m in REGISTRY if m.task is not None and method in (m.name, m.task)), None)
+
+
 def task_class(method: str):
     """The training task of `method` (a family name with a `Method.task`)."""
-    task = next((m.task for m in REGISTRY if m.task is not None and method in (m.name, m.task)), None)
-    if task is None:
+    record = trainable(method)
+    if record is None:
         raise SpecDecodeError(f"no trainer for method {method!r}; trainable methods: {', '.join(TRAINABLE)}")
-    return TASKS[task]
+    return TASKS[record.task]
 
 
 def run_training(
