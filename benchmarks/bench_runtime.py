@@ -31,7 +31,7 @@ from specdecode.models.loader import load_model
 CONTEXT = 256
 BLOCKS = (1, 2, 4, 8, 16)
 MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weight_int8pack_mm",
-              "_weight_int4pack_mm_for_cpu", "matmul", "bmm")  # fmt: skip
+              "_weight_int4pack_mm_for_cpu", "matmul", "bmm", "bf16w_linear")  # fmt: skip
 ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention")
 
 
@@ -171,7 +171,8 @@ def report(meta: dict, res: dict) -> str:
         "",
         f"Command: `python {meta['command']}`",
         "",
-        "| --dtype | products run as | " + " | ".join(f"T({n}) ms" for n in BLOCKS)
+        "| --dtype | products run as | "
+        + " | ".join(f"T({n}) ms" for n in BLOCKS)
         + " | T(8)/T(1) | weights read per step | bandwidth ceiling | T(1) at ceiling |",
         "|---|---|" + "---|" * (len(BLOCKS) + 4),
     ]

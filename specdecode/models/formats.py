@@ -10,6 +10,9 @@ Contract:
   - `fp32-mkl`, `fp32-onednn`, `bf16-onednn`: weights pre-packed once for MKL's or oneDNN's
     GEMM (what inductor's CPU weight freezing does; private ops, wrapped here in one place; a
     CPU whose oneDNN refuses a packing, e.g. bf16 without AVX-512, simply lacks that kernel);
+  - `bf16w`: bf16 weights, fp32 activations and accumulation, our own AVX2 kernel
+    (`models/kernels/bf16w.cpp`): half the bytes of fp32 per product at fp32 arithmetic, for
+    CPUs whose bf16 GEMMs are slow; absent where it cannot be built;
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
     asymmetric), PyTorch's own CPU kernels. They change the model: never chosen by `auto`.
 * A `FormatPlan` maps the number of rows M of a product to a kernel: bucket i covers
@@ -39,9 +42,10 @@ import torch
 
 from specdecode.assets import cache_dir
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # rows M of a product: one step ... a prefill chunk
-AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn")
+AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w")
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
@@ -101,6 +105,19 @@ def _onednn(dtype: torch.dtype):
     return prepare
 
 
+def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    op = kernels.bf16w()
+    if op is None:
+        raise RuntimeError(kernels.unavailable.get("bf16w", "the bf16w kernel is unavailable"))
+    wb = w.to(torch.bfloat16).contiguous()  # [out, in]
+    bb = None if b is None else b.float()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return op(x.float(), wb, bb).to(x.dtype)
+
+    return fn
+
+
 def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
@@ -147,6 +164,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     "fp32-mkl": _mkl_fp32,
     "fp32-onednn": _onednn(torch.float32),
     "bf16-onednn": _onednn(torch.bfloat16),
+    "bf16w": _bf16w,
     "int8": _int8,
     "int4": _int4,
 }
