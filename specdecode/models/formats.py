@@ -108,11 +108,13 @@ def _onednn(dtype: torch.dtype):
 def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
     op = kernels.bf16w()
     if op is None:
-        raise RuntimeError(kernels.unavailable.get("bf16w", "the bf16w kernel is unavailable"))
+        raise RuntimeError(kernels.unavailable.get("cpu", "the bf16w kernel is unavailable"))
     wb = w.to(torch.bfloat16).contiguous()  # [out, in]
     bb = None if b is None else b.float()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the usual case: no conversion ops to dispatch
+            return op(x, wb, bb)
         return op(x.float(), wb, bb).to(x.dtype)
 
     return fn

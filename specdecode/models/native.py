@@ -14,6 +14,10 @@ Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md
   contiguous slot range builds no mask and reads the cache through views.
 * GQA by folding the G query heads of a KV head into the query axis (q [B, Hk, G*N, D]), which
   avoids both expanding K/V and the slow `enable_gqa` path of CPU SDPA.
+* On the CPU in fp32 the layer runs on our fused ops (`models/kernels/fused.cpp`: norms, RoPE,
+  SiLU-mul and attention for forwards of up to FUSED_ATTENTION_ROWS tokens, each computing a
+  row alike whatever the number of rows); elsewhere, or where they cannot be built, on stock
+  PyTorch ops. Both compute the same function up to fp32 rounding.
 * Matrix products run in the formats of a `FormatPlan` (models/formats.py; `use_formats`),
   which may hold several copies of a weight (e.g. bf16 for one-token steps, fp32 for blocks);
   activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`.
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 from specdecode.models.base import (
     FINAL_NORM,
     ForwardOutput,
@@ -45,6 +50,11 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.models.native_spec import NativeSpec
 
 WINDOW_FACTOR = 2  # attend over a slot range in place while it holds at most this many slots per row
+FUSED_ATTENTION_ROWS = 64  # forwards of up to this many new tokens per row use our attention kernel
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class _Layer(nn.Module):
@@ -237,11 +247,18 @@ class NativeDecoder(nn.Module):
         cs = self._rope[positions]  # [B, N, 2, D]
         cos, sin = cs[:, :, 0:1], cs[:, :, 1:2]  # [B, N, 1, D] each
         hidden: dict[int, torch.Tensor] = {}
+        ops = self._fused
         for i, w in enumerate(self._flat):
-            x = self._layer(w, x, cos, sin, plan, i)
+            if ops is None:
+                x = self._layer(w, x, cos, sin, plan, i)
+            else:
+                x = self._layer_fused(ops, w, x, cs.view(B * N, 2, -1), plan, i, B, N)
             if i in capture:
                 hidden[i] = x.view(B, N, -1)
-        x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+        if ops is None:
+            x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+        else:
+            x = ops.rms_norm(x, self.norm, s.rms_norm_eps)
         if FINAL_NORM in capture:
             hidden[FINAL_NORM] = x.view(B, N, -1)
         return ForwardOutput(logits=self.lm_head(x).view(B, N, -1) if logits else None, hidden=hidden)
@@ -314,6 +331,55 @@ class NativeDecoder(nn.Module):
         inter = s.intermediate_size
         act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [B*N, I]
         return x + down_proj(act)
+
+    def _layer_fused(self, ops, w: tuple, x, cs, plan: _Plan, i: int, B: int, N: int) -> torch.Tensor:
+        """`_layer` on our fused fp32 CPU ops (models/kernels/fused.cpp): the same math in a
+        third of the operators; cs [B*N, 2, D] holds cos and the signed sin per row."""
+        s = self.spec
+        ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
+        H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
+        G = H // Hk
+        # 1. attention input: norm, fused QKV projection, (qwen3) per-head norm, RoPE in place
+        qkv = qkv_proj(ops.rms_norm(x, ln1, s.rms_norm_eps))  # [B*N, (H+2Hk)D]
+        if qk_norm is not None:
+            qk = qkv[:, : (H + Hk) * D].view(B * N, H + Hk, D)
+            qk.copy_(F.rms_norm(qk, (D,), None, s.rms_norm_eps) * qk_norm)
+        ops.rope_(qkv, cs, H + Hk)
+        k = qkv[:, H * D : (H + Hk) * D].view(B, N, Hk, D)
+        v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
+        # 2. write the new K/V rows, then read the span this step attends to
+        if plan.k_dst is not None:
+            plan.k_dst[i].copy_(k)
+            plan.v_dst[i].copy_(v)
+        else:
+            idx = (plan.slot_idx.unsqueeze(1), plan.rows)
+            plan.k_all[i].index_put_(idx, k)
+            plan.v_all[i].index_put_(idx, v)
+        if plan.k_src is not None:
+            keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
+        else:
+            keys = plan.k_span[i].index_select(0, plan.slot_idx)
+            values = plan.v_span[i].index_select(0, plan.slot_idx)
+        # 3. attention, the G query heads of each KV head folded into the query axis; long
+        # prefill chunks go to SDPA's flash kernel, every step and verify block to ours
+        q = qkv[:, : H * D]
+        if N == 1:
+            q = q.view(B, Hk, G, D)
+        else:
+            q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
+        attend = ops.attention if N <= FUSED_ATTENTION_ROWS else _sdpa
+        if plan.window is None:
+            o = attend(q, keys, values, plan.mask)  # [B, Hk, G*N, D]
+        else:
+            qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
+            o = attend(qw, keys, values, plan.mask)[plan.window]
+        if N == 1:
+            o = o.view(B, H * D)
+        else:
+            o = o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
+        x, h = ops.add_rms_norm(x, o_proj(o), ln2, s.rms_norm_eps)
+        # 4. SiLU MLP with fused gate/up
+        return x + down_proj(ops.silu_mul(gu_proj(h)))
 
     def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
         """Plan the cache writes/reads and build the attention mask once for all layers."""
@@ -417,6 +483,8 @@ class NativeDecoder(nn.Module):
         ]
         self._head = Linear(self.lm_head_weight(), None, plan)
         self.info = replace(self.info, format=plan.name)
+        cpu_fp32 = plan.act_dtype == torch.float32 and self.embed_tokens.device.type == "cpu"
+        self._fused = kernels.fused() if cpu_fp32 else None  # None: the stock-PyTorch layer
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() rebuild the RoPE table on the new device/dtype and update info.

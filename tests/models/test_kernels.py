@@ -13,7 +13,7 @@ from specdecode.models import kernels
 def bf16w():
     op = kernels.bf16w()
     if op is None:
-        pytest.skip(f"bf16w is not available here: {kernels.unavailable.get('bf16w')}")
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
     return op
 
 
@@ -46,8 +46,75 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(bf16w):
 
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SPECDECODE_NO_KERNELS", "1")
-    kernels.bf16w.cache_clear()
+    kernels._ops.cache_clear()
     try:
-        assert kernels.bf16w() is None and "SPECDECODE_NO_KERNELS" in kernels.unavailable["bf16w"]
+        assert kernels.bf16w() is None and kernels.fused() is None
+        assert "SPECDECODE_NO_KERNELS" in kernels.unavailable["cpu"]
     finally:
-        kernels.bf16w.cache_clear()
+        kernels._ops.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    o = kernels.fused()
+    if o is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    return o
+
+
+def _close(a, b, tol=1e-5):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert (a - b).abs().max() <= tol * max(1.0, float(b.abs().max())), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_norms_match_pytorch(ops, m):
+    gen = torch.Generator().manual_seed(m)
+    x, delta, w = torch.randn(m, 72, generator=gen), torch.randn(m, 72, generator=gen), torch.randn(72)
+    _close(ops.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (72,), w, 1e-5))
+    s, h = ops.add_rms_norm(x, delta, w, 1e-6)
+    _close(s, x + delta, 0)
+    _close(h, torch.nn.functional.rms_norm(x + delta, (72,), w, 1e-6))
+
+
+def test_rope_rotates_the_first_heads_in_place(ops):
+    gen = torch.Generator().manual_seed(0)
+    M, D, heads, extra = 4, 16, 3, 2  # 3 rotated heads (q and k), 2 left alone (v)
+    qkv = torch.randn(M, (heads + extra) * D, generator=gen)
+    ang = torch.randn(M, D // 2, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    cs = torch.stack([cos, sin], 1)  # [M, 2, D]
+    x = qkv[:, : heads * D].view(M, heads, D)
+    want = x * cos[:, None] + x.roll(D // 2, -1) * sin[:, None]
+    v_before = qkv[:, heads * D :].clone()
+    ops.rope_(qkv, cs, heads)
+    _close(qkv[:, : heads * D].view(M, heads, D), want)
+    assert torch.equal(qkv[:, heads * D :], v_before)
+
+
+def test_silu_mul_matches_pytorch(ops):
+    gu = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(1)) * 4
+    _close(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:])
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_attention_matches_sdpa_and_skips_what_no_row_sees(ops, with_mask):
+    gen = torch.Generator().manual_seed(2)
+    B, Hk, R, L, D = 3, 2, 6, 11, 16
+    q = torch.randn(B, Hk, R, D, generator=gen)
+    kv = torch.randn(2, B, Hk, L + 5, D, generator=gen)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]  # strided views, as the cache gives them
+    mask = None
+    if with_mask:
+        mask = torch.rand(B, 1, R, L, generator=gen) < 0.6
+        mask[..., 0] = True  # every row sees a key (as the decoder guarantees)
+        mask[1, ..., 7:] = False  # keys nobody in batch row 1 sees: garbage there must not matter
+        k[1, :, 7:] = float("nan")
+        v[1, :, 7:] = float("nan")
+    got = ops.attention(q, k, v, mask)
+    if with_mask:
+        k[1, :, 7:] = 0
+        v[1, :, 7:] = 0
+    _close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    one = ops.attention(q[:1, :, :1], k[:1], v[:1], None if mask is None else mask[:1, :, :1])
+    assert torch.equal(one, got[:1, :, :1])  # a row rounds the same whatever rides with it

@@ -152,7 +152,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 
 // A dispatcher op (torch.ops.specdecode.bf16w_linear), so profilers and torch.compile see a
 // named product rather than an opaque Python call.
-TORCH_LIBRARY(specdecode, m) {
+TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("bf16w_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 

@@ -1,0 +1,228 @@
+// Fused fp32 CPU ops for the native decoder's layer: what stock PyTorch runs as 5-15 small
+// operators each (dispatch, allocation, a pass over memory per operator) becomes one pass.
+//
+// Each op computes every row the same way whatever the number of rows, so a one-token step and
+// a verify block round alike (greedy speculation stays token for token equal to greedy `ar`).
+//   rms_norm(x [M, d], w [d], eps)                    -> [M, d]
+//   add_rms_norm(x [M, d], delta [M, d], w, eps)      -> (x + delta, rms_norm(x + delta))
+//   rope_(qkv [M, C], cs [M, 2, D], num_heads)        in place on the first num_heads * D columns:
+//       x * cos + roll(x, D/2) * sin_signed (the table holds cos and the signed sin)
+//   silu_mul(gu [M, 2I])                              -> silu(gu[:, :I]) * gu[:, I:]
+//   attention(q [B, Hk, R, D], k [B|S.., Hk, L, D], v, mask [B|1, 1, R, L] bool | None)
+//       -> [B, Hk, R, D]: softmax(q k^T / sqrt(D), masked) v; keys no row of a (b, head) may
+//       see are never read, so padding of ragged batches costs nothing.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// Dot product in 8 fp32 lanes (compilers keep float reductions scalar unless told to reorder).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float s = _mm_cvtss_f32(h);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void norm_row(const float* x, const float* w, float eps, int64_t d, float* y) {
+  const float ss = dot(x, x, d);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = x[i] * r * w[i];
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "x [M, d] and w [d]");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t M = xc.size(0), d = xc.size(1);
+  auto y = torch::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) norm_row(xp + m * d, wp, static_cast<float>(eps), d, yp + m * d);
+  });
+  return y;
+}
+
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
+                                        const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(delta, "delta");
+  check_f32(w, "w");
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.dim() == 2 && x.size(1) == w.size(0),
+              "x and delta [M, d], w [d]");
+  const auto xc = x.contiguous(), dc = delta.contiguous(), wc = w.contiguous();
+  const int64_t M = xc.size(0), d = xc.size(1);
+  auto s = torch::empty_like(xc);
+  auto y = torch::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *dp = dc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) {
+      for (int64_t i = 0; i < d; ++i) sp[m * d + i] = xp[m * d + i] + dp[m * d + i];
+      norm_row(sp + m * d, wp, static_cast<float>(eps), d, yp + m * d);
+    }
+  });
+  return {s, y};
+}
+
+void rope_(torch::Tensor& qkv, const torch::Tensor& cs, int64_t num_heads) {
+  check_f32(qkv, "qkv");
+  check_f32(cs, "cs");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [M, C] with unit column stride");
+  TORCH_CHECK(cs.dim() == 3 && cs.size(0) == qkv.size(0) && cs.size(1) == 2, "cs must be [M, 2, D]");
+  const auto cc = cs.contiguous();
+  const int64_t M = qkv.size(0), D = cc.size(2), half = D / 2, ld = qkv.stride(0);
+  TORCH_CHECK(D % 2 == 0 && num_heads * D <= qkv.size(1), "num_heads * D must fit in qkv's columns");
+  float* p = qkv.data_ptr<float>();
+  const float* c = cc.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) {
+      const float* cosv = c + m * 2 * D;
+      const float* sinv = cosv + D;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = p + m * ld + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * cosv[i] + x2 * sinv[i];
+          x[i + half] = x2 * cosv[i + half] + x1 * sinv[i + half];
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_f32(gu, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be [M, 2I]");
+  const auto gc = gu.contiguous();
+  const int64_t M = gc.size(0), I = gc.size(1) / 2;
+  auto y = torch::empty({M, I}, gc.options());
+  const float* g = gc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M * I, 4096, [&](int64_t a, int64_t b) {
+    for (int64_t e = a; e < b; ++e) {
+      const int64_t m = e / I, i = e % I;
+      const float z = g[m * 2 * I + i];
+      yp[e] = z / (1.f + std::exp(-z)) * g[m * 2 * I + I + i];
+    }
+  });
+  return y;
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  const int64_t B = q.size(0), Hk = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
+              "k and v must be [B, Hk, L, D] like q [B, Hk, R, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dimension");
+  const auto qc = q.contiguous();
+  const bool* mp = nullptr;
+  int64_t mb = 0;
+  torch::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 4 && mask->size(1) == 1 &&
+                    mask->size(2) == R && mask->size(3) == L &&
+                    (mask->size(0) == B || mask->size(0) == 1),
+                "mask must be bool [B or 1, 1, R, L]");
+    mc = mask->contiguous();
+    mp = mc.data_ptr<bool>();
+    mb = mc.size(0) == 1 ? 0 : R * L;
+  }
+  auto out = torch::empty({B, Hk, R, D}, qc.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hk, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> s(R * L);
+    std::vector<float> qs(R * D);
+    for (int64_t bh = a; bh < b; ++bh) {
+      const int64_t bi = bh / Hk, h = bh % Hk;
+      const float* kk = kp + bi * kb + h * kh;
+      const float* vv = vp + bi * vb + h * vh;
+      const float* qq = qp + bh * R * D;
+      const bool* mm = mp ? mp + bi * mb : nullptr;
+      for (int64_t i = 0; i < R * D; ++i) qs[i] = qq[i] * scale;
+      // 1. scores; a key no row may see is skipped (never read)
+      int64_t last = -1;  // last key any row sees
+      for (int64_t j = 0; j < L; ++j) {
+        bool any = false;
+        for (int64_t r = 0; r < R; ++r) {
+          if (mm && !mm[r * L + j]) {
+            s[r * L + j] = ninf;
+            continue;
+          }
+          s[r * L + j] = dot(qs.data() + r * D, kk + j * kl, D);
+          any = true;
+        }
+        if (any) last = j;
+      }
+      // 2. softmax per row, then 3. the weighted sum of the values each row sees
+      float* o = op + bh * R * D;
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * L;
+        float mx = ninf;
+        for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, sr[j]);
+        float* orow = o + r * D;
+        for (int64_t e = 0; e < D; ++e) orow[e] = 0.f;
+        if (mx == ninf) continue;  // a row that sees nothing: zeros (padding rows only)
+        float sum = 0.f;
+        for (int64_t j = 0; j <= last; ++j) {
+          sr[j] = sr[j] == ninf ? 0.f : std::exp(sr[j] - mx);
+          sum += sr[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j <= last; ++j) {
+          if (sr[j] == 0.f) continue;
+          const float p = sr[j] * inv;
+          const float* vj = vv + j * vl;
+          for (int64_t e = 0; e < D; ++e) orow[e] += p * vj[e];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> Tensor[]");
+  m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("attention", &attention);
+}
