@@ -23,8 +23,9 @@ Contract:
 * `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
   matrix shapes (random weights, several layers so they do not fit in cache), picks the fastest
   kernel per bucket, and caches the measurement and the plan as JSON under
-  `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count and
-  the shapes. No CPU flag is read to decide: a kernel that is slow or refused here loses.
+  `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count, the
+  shapes and the sources of our own kernels. No CPU flag is read to decide: a kernel that is
+  slow or refused here loses.
 * `forced_plan(name)` gives one format everywhere (`fp32`, `bf16`, `int8`, `int4`).
 """
 
@@ -106,16 +107,18 @@ def _onednn(dtype: torch.dtype):
 
 
 def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
-    op = kernels.bf16w()
-    if op is None:
+    ops = kernels.fused()
+    if ops is None:
         raise RuntimeError(kernels.unavailable.get("cpu", "the bf16w kernel is unavailable"))
-    wb = w.to(torch.bfloat16).contiguous()  # [out, in]
+    n = w.shape[0]
+    packed = ops.bf16w_pack(w.to(torch.bfloat16))  # [ceil(out/16), in, 16]
     bb = None if b is None else b.float()
+    op = ops.bf16w_linear
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the usual case: no conversion ops to dispatch
-            return op(x, wb, bb)
-        return op(x.float(), wb, bb).to(x.dtype)
+            return op(x, packed, n, bb)
+        return op(x.float(), packed, n, bb).to(x.dtype)
 
     return fn
 
@@ -318,6 +321,7 @@ def auto_plan(
         str(num_layers),
         ",".join(AUTO_CANDIDATES),
         ",".join(map(str, BUCKETS)),
+        kernels.source_tag(),  # our kernels changed: time them again
     ]
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
     path = cache_dir() / "formats" / f"{key}.json"

@@ -10,56 +10,52 @@ from specdecode.models import kernels
 
 
 @pytest.fixture(scope="module")
-def bf16w():
-    op = kernels.bf16w()
-    if op is None:
+def ops():
+    o = kernels.fused()
+    if o is None:
         pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    return op
+    return o
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
-@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (13, 40), (5, 576)])
-def test_bf16w_is_the_fp32_product_of_bf16_weights(bf16w, m, n, k):
+@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576)])
+def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen)
-    ref = x.double() @ w.double().t() + b.double()  # what fp32 arithmetic approximates
+    packed = ops.bf16w_pack(w)
+    ref = x.double() @ w.double().t()  # what fp32 arithmetic approximates
     for bias in (b, None):
-        y = bf16w(x, w, bias)
+        y = ops.bf16w_linear(x, packed, n, bias)
         assert y.dtype == torch.float32 and y.shape == (m, n)
-        want = ref if bias is not None else ref - b.double()
+        want = ref + b.double() if bias is not None else ref
         # fp32 accumulation of k terms: a bf16 product would be ~100x further off
         assert (y.double() - want).abs().max() < 1e-5 * k**0.5 * want.abs().max().clamp(min=1)
+    one = ops.bf16w_linear(x[-1:], packed, n, b)
+    assert torch.equal(one, ops.bf16w_linear(x, packed, n, b)[-1:])  # a row rounds alike alone
 
 
-def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(bf16w):
+def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=gen)[::2]  # rows with a stride: copied, not misread
     w = torch.randn(12, 64, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(bf16w(x, w, None), x @ w.float().t(), rtol=1e-5, atol=1e-5)
+    packed = ops.bf16w_pack(w)
+    torch.testing.assert_close(ops.bf16w_linear(x, packed, 12, None), x @ w.float().t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        bf16w(x, w.float(), None)
-    with pytest.raises(RuntimeError, match="disagree on K"):
-        bf16w(x, w[:, :32].contiguous(), None)
+        ops.bf16w_pack(w.float())
+    with pytest.raises(RuntimeError, match="bf16w_pack"):
+        ops.bf16w_linear(x[:, :32], packed, 12, None)
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SPECDECODE_NO_KERNELS", "1")
     kernels._ops.cache_clear()
     try:
-        assert kernels.bf16w() is None and kernels.fused() is None
+        assert kernels.fused() is None
         assert "SPECDECODE_NO_KERNELS" in kernels.unavailable["cpu"]
     finally:
         kernels._ops.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def ops():
-    o = kernels.fused()
-    if o is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    return o
 
 
 def _close(a, b, tol=1e-5):
@@ -98,9 +94,10 @@ def test_silu_mul_matches_pytorch(ops):
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_attention_matches_sdpa_and_skips_what_no_row_sees(ops, with_mask):
+@pytest.mark.parametrize("R", [6, 19])  # one task per (row, head), or several row chunks
+def test_attention_matches_sdpa_and_skips_what_no_row_sees(ops, with_mask, R):
     gen = torch.Generator().manual_seed(2)
-    B, Hk, R, L, D = 3, 2, 6, 11, 16
+    B, Hk, L, D = 3, 2, 11, 16
     q = torch.randn(B, Hk, R, D, generator=gen)
     kv = torch.randn(2, B, Hk, L + 5, D, generator=gen)
     k, v = kv[0, :, :, :L], kv[1, :, :, :L]  # strided views, as the cache gives them
@@ -116,5 +113,8 @@ def test_attention_matches_sdpa_and_skips_what_no_row_sees(ops, with_mask):
         k[1, :, 7:] = 0
         v[1, :, 7:] = 0
     _close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    one = ops.attention(q[:1, :, :1], k[:1], v[:1], None if mask is None else mask[:1, :, :1])
-    assert torch.equal(one, got[:1, :, :1])  # a row rounds the same whatever rides with it
+    for r in (0, R - 1):  # a row rounds the same whatever rides with it
+        one = ops.attention(
+            q[:1, :, r : r + 1], k[:1], v[:1], None if mask is None else mask[:1, :, r : r + 1]
+        )
+        assert torch.equal(one, got[:1, :, r : r + 1])

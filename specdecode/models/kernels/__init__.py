@@ -1,11 +1,13 @@
 """Compiled CPU kernels of our own, built on first use; kernels that cannot be built are absent.
 
 Contract:
-- `bf16w()` returns `torch.ops.specdecode.bf16w_linear(x [M, K] fp32, w [N, K] bf16 contiguous,
-  bias [N] | None) -> [M, N] fp32` (x @ w.T + bias, fp32 arithmetic; `bf16w.cpp`), or None.
-- `fused()` returns `torch.ops.specdecode` holding the fused fp32 layer ops of `fused.cpp`
-  (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`, `attention`; contracts in that file), or
-  None. Each computes a row the same way whatever the number of rows.
+- `fused()` returns `torch.ops.specdecode`, or None. It holds
+  - the bf16-weight product of `bf16w.cpp`: `bf16w_pack(w [N, K] bf16) -> packed` once, then
+    `bf16w_linear(x [M, K] fp32, packed, N, bias [N] | None) -> [M, N] fp32` (x @ w.T + bias
+    in fp32 arithmetic);
+  - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
+    `attention`; contracts in that file).
+  Each computes a row the same way whatever the number of rows.
 - Both come from one extension, absent when it cannot run here: a non-x86 CPU, no C++
   compiler, a failed build, or a CPU without AVX2 + FMA (that check only keeps the process
   from an illegal instruction; whether a kernel is *used* is decided by timing it,
@@ -40,6 +42,11 @@ def _cpu_runs_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
+def source_tag() -> str:
+    """Hash of the kernels' sources: part of every cache key that timed them."""
+    return hashlib.sha256(b"".join((HERE / s).read_bytes() for s in SOURCES)).hexdigest()[:12]
+
+
 @cache
 def _ops():
     """torch.ops.specdecode once the extension is loaded, else None (reason in `unavailable`)."""
@@ -50,7 +57,7 @@ def _ops():
         unavailable["cpu"] = "needs an x86-64 CPU with AVX2 and FMA"
         return None
     srcs = [HERE / s for s in SOURCES]
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:12]
+    tag = source_tag()
     try:
         from torch.utils.cpp_extension import load
 
@@ -70,12 +77,6 @@ def _ops():
         return None
 
 
-def bf16w():
-    """The bf16-weight fp32 product op (see module docstring), or None."""
-    ops = _ops()
-    return None if ops is None else ops.bf16w_linear
-
-
 def fused():
-    """The fused fp32 layer ops (see module docstring), or None."""
+    """Our ops (see module docstring), or None."""
     return _ops()

@@ -27,15 +27,46 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+inline float hadd(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+inline float hmax(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// exp(x - m) for x <= m, in 8 lanes (Cephes' polynomial, ~2 ulp); x == -inf gives exactly 0.
+// Every lane runs the same instructions, so a score's weight never depends on its neighbours.
+inline __m256 exp_shifted(__m256 x, __m256 m) {
+  const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+  __m256 t = _mm256_max_ps(_mm256_sub_ps(x, m), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  t = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
+  t = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), t);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(t, t), t), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(masked, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
 // Dot product in 8 fp32 lanes (compilers keep float reductions scalar unless told to reorder).
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  float s = _mm_cvtss_f32(h);
+  float s = hadd(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -160,50 +191,61 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, B * Hk, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> s(R * L);
-    std::vector<float> qs(R * D);
-    for (int64_t bh = a; bh < b; ++bh) {
+  const int64_t Lp = (L + 7) / 8 * 8;        // score rows padded to whole vectors (-inf)
+  const int64_t RC = 8;                      // query rows per task: verify blocks use both cores
+  const int64_t chunks = (R + RC - 1) / RC;  // tasks per (batch row, KV head)
+  at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> s(RC * Lp);
+    std::vector<float> qs(RC * D);
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t bh = task / chunks, r0 = (task % chunks) * RC, rn = std::min(RC, R - r0);
       const int64_t bi = bh / Hk, h = bh % Hk;
       const float* kk = kp + bi * kb + h * kh;
       const float* vv = vp + bi * vb + h * vh;
-      const float* qq = qp + bh * R * D;
-      const bool* mm = mp ? mp + bi * mb : nullptr;
-      for (int64_t i = 0; i < R * D; ++i) qs[i] = qq[i] * scale;
-      // 1. scores; a key no row may see is skipped (never read)
-      int64_t last = -1;  // last key any row sees
+      const float* qq = qp + (bh * R + r0) * D;
+      const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
+      for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
+      // 1. scores; a key none of these rows may see is skipped (never read)
+      int64_t last = -1;  // last key any of these rows sees
       for (int64_t j = 0; j < L; ++j) {
         bool any = false;
-        for (int64_t r = 0; r < R; ++r) {
+        for (int64_t r = 0; r < rn; ++r) {
           if (mm && !mm[r * L + j]) {
-            s[r * L + j] = ninf;
+            s[r * Lp + j] = ninf;
             continue;
           }
-          s[r * L + j] = dot(qs.data() + r * D, kk + j * kl, D);
+          s[r * Lp + j] = dot(qs.data() + r * D, kk + j * kl, D);
           any = true;
         }
         if (any) last = j;
       }
-      // 2. softmax per row, then 3. the weighted sum of the values each row sees
-      float* o = op + bh * R * D;
-      for (int64_t r = 0; r < R; ++r) {
-        float* sr = s.data() + r * L;
-        float mx = ninf;
-        for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, sr[j]);
+      const int64_t jend = (last + 8) / 8 * 8;  // whole vectors past the last key: -inf
+      for (int64_t r = 0; r < rn; ++r)
+        for (int64_t j = last + 1; j < jend; ++j) s[r * Lp + j] = ninf;
+      // 2. softmax per row (masked scores give exactly 0), then 3. the weighted sum of values
+      float* o = op + (bh * R + r0) * D;
+      for (int64_t r = 0; r < rn; ++r) {
+        float* sr = s.data() + r * Lp;
         float* orow = o + r * D;
         for (int64_t e = 0; e < D; ++e) orow[e] = 0.f;
+        if (last < 0) continue;
+        __m256 vmax = _mm256_set1_ps(ninf);
+        for (int64_t j = 0; j < jend; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
+        const float mx = hmax(vmax);
         if (mx == ninf) continue;  // a row that sees nothing: zeros (padding rows only)
-        float sum = 0.f;
-        for (int64_t j = 0; j <= last; ++j) {
-          sr[j] = sr[j] == ninf ? 0.f : std::exp(sr[j] - mx);
-          sum += sr[j];
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < jend; j += 8) {
+          const __m256 e = exp_shifted(_mm256_loadu_ps(sr + j), vm);
+          _mm256_storeu_ps(sr + j, e);
+          vsum = _mm256_add_ps(vsum, e);
         }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / hadd(vsum);
         for (int64_t j = 0; j <= last; ++j) {
           if (sr[j] == 0.f) continue;
-          const float p = sr[j] * inv;
+          const float pj = sr[j] * inv;
           const float* vj = vv + j * vl;
-          for (int64_t e = 0; e < D; ++e) orow[e] += p * vj[e];
+          for (int64_t e = 0; e < D; ++e) orow[e] += pj * vj[e];
         }
       }
     }
