@@ -62,6 +62,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string), "length", or "error" (see `error`)
     prompt_tokens: int = 0
     error: str | None = None  # what ended the request when finish_reason == "error"
+    num_drafted: int = 0  # draft tokens (chain positions or tree nodes) verified over all steps
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -98,6 +99,7 @@ class RunningRequest:
     sent_text: str = ""
     num_steps: int = 0
     num_emitted: int = 0
+    num_drafted: int = 0
     accepted: list[int] = field(default_factory=list)
     reached: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
@@ -236,4 +238,5 @@ def make_result(r: RunningRequest, text: str) -> GenerationResult:
         finish_reason=r.finish_reason or "length",
         prompt_tokens=len(r.req.prompt_ids),
         error=r.error,
+        num_drafted=r.num_drafted,
     )

@@ -193,6 +193,7 @@ def record(
         stats.num_emitted += n_acc + 1
         r.num_steps += 1
         r.num_emitted += n_acc + 1
+        r.num_drafted += v.num_draft
         for j in range(n):
             if j >= len(r.reached):
                 r.reached.append(0)

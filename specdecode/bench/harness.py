@@ -265,6 +265,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                         "num_steps": r.num_steps,
                         "accepted_per_position": r.accepted_per_position,
                         "reached_per_position": r.reached_per_position,
+                        "num_drafted": r.num_drafted,
                         "num_new_tokens": r.num_new_tokens,
                         "prefill_time_s": r.prefill_time_s,
                         "decode_time_s": r.decode_time_s,

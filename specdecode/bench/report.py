@@ -156,18 +156,28 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
             "",
             "## Where the time goes",
             "",
-            "| method | draft share | verify share | draft ms per round |",
-            "|---|---|---|---|",
+            "A round's drafting cost in `ar` steps (ms per `ar` decode step in the same run): the unit",
+            "the cost bounds of the runtime issue use (e.g. a DFlash/DSpark round <= 0.2 step).",
+            "",
+            "| method | draft share | verify share | draft ms per round | draft tokens per round "
+            "| round / ar step | per draft token / ar step |",
+            "|---|---|---|---|---|---|---|",
         ]
+        ar_rs = [r for r in rows if r["method"] == "ar" and r.get("num_steps")]
+        ar_step = sum(r["decode_time_s"] for r in ar_rs) / max(sum(r["num_steps"] for r in ar_rs), 1)
         for m in methods:
             rs = [r for r in rows if r["method"] == m and "draft_time_s" in r]
             dec = sum(r["decode_time_s"] for r in rs)
             rounds = sum(r.get("num_steps", 0) for r in rs)
             if dec > 0:
-                per_round = 1000 * sum(r["draft_time_s"] for r in rs) / max(rounds, 1)
+                per_round = sum(r["draft_time_s"] for r in rs) / max(rounds, 1)
+                drafted = sum(r.get("num_drafted", 0) for r in rs) / max(rounds, 1)
+                ratio = per_round / ar_step if ar_step else float("nan")
+                per_tok = ratio / drafted if drafted else float("nan")
                 lines.append(
                     f"| {m} | {sum(r['draft_time_s'] for r in rs) / dec:.1%} | "
-                    f"{sum(r['verify_time_s'] for r in rs) / dec:.1%} | {per_round:.2f} |"
+                    f"{sum(r['verify_time_s'] for r in rs) / dec:.1%} | {1000 * per_round:.2f} | "
+                    f"{drafted:.1f} | {ratio:.3f} | {per_tok:.3f} |"
                 )
         lines.append("")
     lines += ["Plots: " + ", ".join(f"`{p.name}`" for p in _plots(out, summ, rows, cats, methods, temps)), ""]
