@@ -32,7 +32,7 @@ CONTEXT = 256
 BLOCKS = (1, 2, 4, 8, 16)
 MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weight_int8pack_mm",
               "_weight_int4pack_mm_for_cpu", "matmul", "bmm", "bf16w_linear")  # fmt: skip
-ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention")
+ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention", "attention")
 
 
 def _bandwidth_gbs() -> float:
@@ -44,23 +44,6 @@ def _bandwidth_gbs() -> float:
         x.sum()
         best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return best
-
-
-def _weight_bytes(model) -> int:
-    """Bytes the products of one one-token step read: each Linear's M = 1 copy."""
-    total = 0
-    for layer in model._flat:
-        for lin in (layer[1], layer[3], layer[5], layer[6]):
-            total += _product_bytes(lin)
-    return total + _product_bytes(model._head)
-
-
-def _product_bytes(lin) -> int:
-    fn = lin._by_bucket[0]
-    cells = [c.cell_contents for c in (fn.__closure__ or ()) if isinstance(c.cell_contents, torch.Tensor)]
-    # The weight is the largest tensor the product closes over (scales and biases are small).
-    w = max(cells, key=lambda t: t.numel() * t.element_size(), default=None)
-    return 0 if w is None else w.numel() * w.element_size()
 
 
 def _setup(model):
@@ -130,7 +113,7 @@ def main() -> None:
     res = {}
     for f, m in models.items():
         med = {n: statistics.median(v) for n, v in times[f].items()}
-        gb = _weight_bytes(m) / 1e9
+        gb = m.step_weight_bytes() / 1e9
         res[f] = {
             "formats": m.info.format,
             "act_dtype": str(m.info.dtype),

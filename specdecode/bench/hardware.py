@@ -2,7 +2,8 @@
 
 Contract: `measure_read_bandwidth()` returns bytes/s reading a buffer far larger than the
 caches (median of repeats, with the process's torch threads). `weight_bytes(model)` counts the
-bytes one decoding step must stream (every parameter once, in its stored dtype).
+bytes one decoding step must stream (the native runtime: the weight copies its one-token kernels
+read; other models: every parameter once, in its stored dtype).
 `ar_ceiling(model, bandwidth)` = bandwidth / weight_bytes: the most tokens/s plain batch-1
 decoding can reach on this machine, since each step reads all weights at least once.
 `machine_info()` names the CPU/GPU, its bf16 support and the library versions for reports.
@@ -16,6 +17,8 @@ import statistics
 import time
 
 import torch
+
+from specdecode.models.native import NativeDecoder
 
 
 def measure_read_bandwidth(
@@ -38,6 +41,8 @@ def measure_read_bandwidth(
 
 
 def weight_bytes(model) -> int:
+    if isinstance(model, NativeDecoder):  # the copies its one-token kernels read, not the masters
+        return model.step_weight_bytes()
     params = getattr(model, "parameters", None)
     if params is None:
         return 0

@@ -56,6 +56,12 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ---- kernels ----------------------------------------------------------------------------------
+def _reads(fn: Product, *tensors: torch.Tensor) -> Product:
+    """Tag a product with the bytes of weights it streams per call (bandwidth ceilings)."""
+    fn.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return fn
+
+
 def _plain(dtype: torch.dtype):
     def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         wt = w.to(dtype).t()  # [in, out] view: torch.mm reads it as a transposed operand
@@ -66,7 +72,7 @@ def _plain(dtype: torch.dtype):
             y = torch.mm(a, wt) if bb is None else torch.addmm(bb, a, wt)
             return y.to(x.dtype)
 
-        return fn
+        return _reads(fn, wt)
 
     return prepare
 
@@ -79,7 +85,7 @@ def _bf16_up(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         y = torch.mm(x.float(), wt.float())
         return (y if bb is None else y + bb).to(x.dtype)
 
-    return fn
+    return _reads(fn, wt)
 
 
 def _mkl_fp32(w: torch.Tensor, b: torch.Tensor | None) -> Product:
@@ -90,7 +96,7 @@ def _mkl_fp32(w: torch.Tensor, b: torch.Tensor | None) -> Product:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(x.float(), packed, w, bb, x.shape[0]).to(x.dtype)
 
-    return fn
+    return _reads(fn, w)
 
 
 def _onednn(dtype: torch.dtype):
@@ -101,7 +107,7 @@ def _onednn(dtype: torch.dtype):
         def fn(x: torch.Tensor) -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bb, "none", [], "").to(x.dtype)
 
-        return fn
+        return _reads(fn, w.to(dtype))
 
     return prepare
 
@@ -120,7 +126,7 @@ def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
             return op(x, packed, n, bb)
         return op(x.float(), packed, n, bb).to(x.dtype)
 
-    return fn
+    return _reads(fn, packed)
 
 
 def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
@@ -133,7 +139,7 @@ def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         y = torch.ops.aten._weight_int8pack_mm(x.float(), q, scale)
         return (y if bb is None else y + bb).to(x.dtype)
 
-    return fn
+    return _reads(fn, q, scale)
 
 
 def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +165,7 @@ def _int4(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float(), packed, INT4_GROUP, sz)
         return (y if bb is None else y + bb).to(x.dtype)
 
-    return fn
+    return _reads(fn, packed, sz)
 
 
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
@@ -229,6 +235,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         i = min(bisect.bisect_left(BUCKETS, x.shape[0]), len(BUCKETS) - 1)
         return self._by_bucket[i](x)
+
+    def nbytes(self, rows: int = 1) -> int:
+        """Bytes of weights a product of `rows` rows streams (its kernel's copy)."""
+        return self._by_bucket[min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)].nbytes
 
 
 # ---- measurement ------------------------------------------------------------------------------
