@@ -41,7 +41,10 @@ def add_parsers(sub) -> None:
     t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
     m = t.add_argument_group("method-specific (defaults per method from the drafter registry)")
     for flag, dest, kind in _TASK_FLAGS:
-        m.add_argument(flag, dest=dest, type=kind, default=None, help=_per_method(dest))
+        if kind is bool:  # an on-switch; unset = the method's default
+            m.add_argument(flag, dest=dest, action="store_true", default=None, help=_per_method(dest))
+        else:
+            m.add_argument(flag, dest=dest, type=kind, default=None, help=_per_method(dest))
     m.add_argument(
         "--mode",
         default="frozen",
@@ -89,6 +92,8 @@ _TASK_FLAGS = (
     ("--block-size", "block_size", int),
     ("--num-anchors", "num_anchors", int),
     ("--markov-rank", "markov_rank", int),
+    ("--qk-norm", "qk_norm", bool),  # dflash/dspark: per-head q/k RMSNorm (exportable, see export)
+    ("--mask-token-id", "mask_token_id", int),  # dflash/dspark: mask slots read this token's embedding
 )
 
 

@@ -6,6 +6,8 @@ Contract:
 - `DraftAttention`: grouped-query attention whose projections are trainable; it does not own a
   cache: `qkv(x)` gives (q, k, v) `[B, N, H|Hk, D]` and `out(o)` projects back, so each drafter
   decides what the queries attend to (training-time-test blocks, a per-slot KV cache, a tree).
+  With `qk_norm` it has per-head RMSNorms `q_norm` / `k_norm` (weights [D]) applied to q and k
+  before RoPE, as Qwen3 does; `kv(x)` gives the keys/values alone (same norm and RoPE).
 - `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
@@ -18,7 +20,8 @@ Contract:
   maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
 - `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
   every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
-- `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's.
+- `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's;
+  `QK_NORM_NAMES` the same for the optional per-head q/k norms.
 - `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
   (the checkpoint's config.json "arch"; JSON lists become the tuples the fields declare).
 - `ReducedHead`: mixin for a network with a head over the draft vocabulary (`self.head`,
@@ -52,6 +55,10 @@ HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+QK_NORM_NAMES = {
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -109,21 +116,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, in_dim: int, d: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        d: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.H, self.Hk, self.D = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, d, bias=False)
+        if qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE (absent: no parameters at all)
+            self.q_norm = RMSNorm(head_dim, eps=eps)
+            self.k_norm = RMSNorm(head_dim, eps=eps)
+        self.qk_norm = qk_norm
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, N, in_dim] -> k, v [B, N, Hk, D] (k normed when qk_norm, then RoPE)."""
+        B, N, _ = x.shape
+        k = self.k_proj(x).view(B, N, self.Hk, self.D)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), self.v_proj(x).view(B, N, self.Hk, self.D)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> q [B, N, H, D], k/v [B, N, Hk, D] (RoPE applied to q and k)."""
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, self.H, self.D)
-        k = self.k_proj(x).view(B, N, self.Hk, self.D)
-        v = self.v_proj(x).view(B, N, self.Hk, self.D)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if self.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.kv(x, cos, sin)
+        return apply_rope(q, cos, sin), k, v
 
 
 class SwiGLU(nn.Module):

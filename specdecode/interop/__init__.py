@@ -4,12 +4,16 @@ Contract (docs/interop.md has the formats, the conventions and what refuses why)
 - `export_drafter(checkpoint_dir, out_dir, fmt="speculators", verifier_name_or_path=None,
   target=None, num_speculative_tokens=None) -> Path` reads one of OUR checkpoints
   (drafters/checkpoint.py) and writes `fmt`: "speculators" (vLLM; speculators.py) or
-  "specforge" (SGLang; specforge.py). EAGLE-3 exports; DFlash and DSpark are refused with the
-  reasons (dflash_family.py). No target is loaded: `target` (a LoadedModel) is optional and
-  only adds the verifier's facts and, for speculators, the embedding to the output.
+  "specforge" (SGLang; specforge.py). EAGLE-3 exports to both; DFlash and DSpark trained with
+  `qk_norm` and `mask_token_id` export to speculators (dflash_family.py); other DFlash-family
+  checkpoints are refused naming the missing option. No target is loaded: `target` (a
+  LoadedModel) is optional and only adds the verifier's facts and, for speculators, the embedding
+  (EAGLE-3) or the head rows (DFlash family) to the output.
 - `detect_layout(path) -> str | None`: "specdecode", "speculators", "zlab-dflash",
   "specforge-eagle3" or None, from the directory's config.json alone.
-- `import_drafter(path, target) -> (method, arch, state)`: our method name, our config.json
+- `import_drafter(path, target) -> (method, arch, state)`: our method name ("eagle", "dflash" or
+  "dspark" for foreign layouts: speculators eagle3 / dflash / dspark, SpecForge EAGLE-3, z-lab
+  DFlash), our config.json
   "arch" and our state dict, ready for the method's builder (`load_net`); a drafter for another
   target (width, vocabulary, layers, fingerprint when recorded) or an unknown layout is refused
   with `SpecDecodeError` saying why.

@@ -13,9 +13,13 @@ Contract:
 - `check_target(where, target, hidden_size, vocab_size, num_layers, layer_ids)`: refuses a
   foreign drafter built for another target (width, vocabulary rows, a feature layer the target
   does not have) with what differs.
+- `check_embedding(where, state, target)`: a stored `embed_tokens.weight` must be the target's
+  (to 1e-2): our drafters read the target's embedding. `rope_theta(layer, where)`: the RoPE base
+  of a foreign layer config, refusing RoPE scaling (our drafter layers use plain RoPE).
 - `verifier_facts(name_or_path, target)` -> {"architectures", "max_position_embeddings"} of the
   verifier, from a loaded target's config or a local / installed model directory's config.json;
-  None when neither is at hand (nothing is downloaded).
+  None when neither is at hand (nothing is downloaded). `verifier_head(name_or_path, target)` ->
+  its output head [V, d] (the embedding when tied) from the same places, or None.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from safetensors.torch import load_file
 
 from specdecode.assets import MODELS, is_installed, model_dir
 from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import open_checkpoint
 
 
 def read_json(path: Path) -> dict:
@@ -116,21 +121,47 @@ def check_target(
         )
 
 
+def check_embedding(where: str, state: dict[str, torch.Tensor], target) -> None:
+    """A stored embedding is accepted only if it is the target's (ours reads the target's)."""
+    emb = state.get("embed_tokens.weight")
+    if emb is None:
+        return
+    theirs = target.model.embed(torch.arange(emb.shape[0], device=target.model.info.device)).float().cpu()
+    if emb.shape != theirs.shape or not torch.allclose(emb.float(), theirs, rtol=1e-2, atol=1e-2):
+        raise SpecDecodeError(
+            f"{where} stores its own token embedding, which differs from the target's; specdecode's "
+            "drafter reads the target's embedding, so it would draft differently"
+        )
+
+
+def rope_theta(layer: dict, where: str) -> float:
+    params = layer.get("rope_parameters") or {}
+    scaling = layer.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise SpecDecodeError(f"{where}: RoPE type {kind!r}; specdecode's drafter layers use plain RoPE")
+    return float(params.get("rope_theta") or layer.get("rope_theta") or 10000.0)
+
+
+def _verifier_dir(name_or_path: str | None) -> Path | None:
+    """A local or installed model directory holding the verifier's config.json, or None."""
+    if not name_or_path:
+        return None
+    candidates = [Path(name_or_path).expanduser()]
+    try:
+        if name_or_path in MODELS and is_installed(name_or_path):
+            candidates.append(Path(model_dir(name_or_path)))
+    except ImportError:
+        pass
+    return next((c for c in candidates if (c / "config.json").is_file()), None)
+
+
 def verifier_facts(name_or_path: str | None, target=None) -> dict | None:
     cfg = None
     if target is not None and getattr(target, "config", None) is not None:
         cfg = target.config.to_dict()
-    elif name_or_path:
-        candidates = [Path(name_or_path).expanduser()]
-        try:
-            if name_or_path in MODELS and is_installed(name_or_path):
-                candidates.append(Path(model_dir(name_or_path)))
-        except ImportError:
-            pass
-        for c in candidates:
-            if (c / "config.json").is_file():
-                cfg = json.loads((c / "config.json").read_text())
-                break
+    elif (d := _verifier_dir(name_or_path)) is not None:
+        cfg = json.loads((d / "config.json").read_text())
     if cfg is None:
         return None
     text = cfg.get("text_config") or cfg  # multimodal targets keep the decoder's fields there
@@ -138,3 +169,17 @@ def verifier_facts(name_or_path: str | None, target=None) -> dict | None:
         "architectures": list(cfg.get("architectures") or []),
         "max_position_embeddings": int(text.get("max_position_embeddings") or 4096),
     }
+
+
+def verifier_head(name_or_path: str | None, target=None) -> torch.Tensor | None:
+    """[V, d] the verifier's output head (its embedding when tied), or None when not at hand."""
+    if target is not None:
+        return target.model.lm_head_weight().detach().cpu()
+    d = _verifier_dir(name_or_path)
+    if d is None:
+        return None
+    weights = open_checkpoint(d)
+    for key in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
+        if key in weights:
+            return weights[key]
+    return None

@@ -27,10 +27,12 @@ import torch
 from specdecode.drafters.layers import HF_LAYER_NAMES
 from specdecode.errors import SpecDecodeError
 from specdecode.interop.common import (
+    check_embedding,
     check_target,
     check_vocab_maps,
     ids_from_offsets,
     offsets_from_ids,
+    rope_theta,
     sorted_vocab,
     t2d_mask,
 )
@@ -82,15 +84,6 @@ def to_foreign(arch: dict, state: dict[str, torch.Tensor], prefix: str) -> dict[
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _rope_theta(layer: dict, where: str) -> float:
-    params = layer.get("rope_parameters") or {}
-    scaling = layer.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise SpecDecodeError(f"{where}: RoPE type {kind!r}; specdecode's EAGLE-3 layer uses plain RoPE")
-    return float(params.get("rope_theta") or layer.get("rope_theta") or 10000.0)
-
-
 def check_layer(where: str, layer: dict) -> None:
     """Refuse a foreign decoder layer our Eagle3 layer cannot compute exactly."""
     problems = []
@@ -133,7 +126,7 @@ def from_foreign(
         raise SpecDecodeError(f"{where} lacks the tensors {missing}; it is not a complete EAGLE-3 drafter")
     if state["fc.weight"].shape[1] != 3 * d:
         raise SpecDecodeError(f"{where}: fc reads {state['fc.weight'].shape[1]} features, not 3 x {d}")
-    _check_embedding(where, state, target)
+    check_embedding(where, state, target)
     if draft_vocab_size < V:
         if "d2t" not in state:
             raise SpecDecodeError(f"{where}: a reduced draft vocabulary ({draft_vocab_size}) needs d2t")
@@ -163,19 +156,6 @@ def from_foreign(
         "draft_vocab_size": int(draft_vocab_size),
         "target_vocab_size": V,
         "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(layer, where),
+        "rope_theta": rope_theta(layer, where),
     }
     return arch, {k: v.contiguous() for k, v in ours.items()}
-
-
-def _check_embedding(where: str, state: dict[str, torch.Tensor], target) -> None:
-    """A stored embedding is accepted only if it is the target's (ours reads the target's)."""
-    emb = state.get("embed_tokens.weight")
-    if emb is None:
-        return
-    theirs = target.model.embed(torch.arange(emb.shape[0], device=target.model.info.device)).float().cpu()
-    if emb.shape != theirs.shape or not torch.allclose(emb.float(), theirs, rtol=1e-2, atol=1e-2):
-        raise SpecDecodeError(
-            f"{where} stores its own token embedding, which differs from the target's; specdecode's "
-            "EAGLE-3 reads the target's embedding, so it would draft differently"
-        )

@@ -12,7 +12,8 @@ Contract:
   id + 1), since SGLang's fix of May 2026 (sgl-project/sglang#25454).
 - `import_(path, cfg, state, target)` -> ("eagle", arch, state) via eagle3.from_foreign.
 - `export(cfg, state, out)` writes that layout for one of our EAGLE-3 checkpoints; refused when
-  the first feature layer is not 1 (SGLang versions disagree on such ids) and for other methods.
+  the first feature layer is not 1 (SGLang versions disagree on such ids) and for other methods
+  (DFlash / DSpark: no SpecForge layout; the message points to the speculators export).
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def import_(path: Path, cfg: dict, state: dict[str, torch.Tensor], target) -> tu
 def export(cfg: dict, state: dict[str, torch.Tensor], out: Path, max_position: int = 4096) -> Path:
     method, arch = cfg["method"], cfg["arch"]
     if method in ("dflash", "dspark"):
-        dflash_family.refuse(f"the {method} drafter", dflash_family.export_refusal(method, arch, state))
+        why = "; ".join(dflash_family.export_refusal(method, arch, state))
+        hint = f" (and for speculators: {why}; `specdecode train {method} --qk-norm --mask-token-id N`)"
+        raise SpecDecodeError(
+            f"SpecForge has no layout for specdecode's {method!r} drafters (only EAGLE-3); export "
+            "--format speculators, which vLLM serves" + (hint if why else "")
+        )
     if method != "eagle":
         raise SpecDecodeError(f"SpecForge has no layout for specdecode's {method!r} drafters (only EAGLE-3)")
     layers = list(arch["feature_layers"])

@@ -1,4 +1,4 @@
-"""The vLLM `speculators` layout: export our EAGLE-3 drafters to it, import EAGLE-3 from it.
+"""The vLLM `speculators` layout: export our EAGLE-3, DFlash and DSpark drafters to it, import them.
 
 Contract:
 - A speculators directory holds `config.json` with `speculators_model_type` ("eagle3", "dflash",
@@ -10,13 +10,17 @@ Contract:
 - `export(cfg, state, out, verifier_name_or_path, target, num_speculative_tokens)` writes an
   EAGLE-3 drafter (eagle3.py names; `norm_before_residual: false`, `d2t` offsets + `t2d` mask
   for a reduced vocabulary; the embedding is not written unless `target` is given, since vLLM
-  and speculators take it from the verifier). The verifier's `architectures` come from `target`
-  or a local / installed config.json, else the export is refused (it would name no verifier).
-  DFlash and DSpark exports are refused with the reasons (dflash_family.py). A `specdecode`
-  block records where the weights came from (method, target name and fingerprint).
-- `import_(path, cfg, state, target)` -> ("eagle", arch, state) for `eagle3`; refuses the
-  variants our network cannot compute (`norm_before_residual`, `norm_before_fc`, `fc_norm`,
-  `norm_output`, another target width) and the other model types with the reason.
+  and speculators take it from the verifier), or a DFlash / DSpark drafter trained with
+  `qk_norm` and `mask_token_id` (dflash_family.py: `dflash` / `dspark` model types, a Qwen3
+  `transformer_layer_config`, the target's head rows for a reduced vocabulary, read from
+  `target` or the verifier directory). Other DFlash-family checkpoints are refused naming the
+  missing option. The verifier's `architectures` come from `target` or a local / installed
+  config.json, else the export is refused (it would name no verifier). A `specdecode` block
+  records where the weights came from (method, target name and fingerprint).
+- `import_(path, cfg, state, target)` -> ("eagle" | "dflash" | "dspark", arch, state); refuses
+  the variants our networks cannot compute (EAGLE-3: `norm_before_residual`, `norm_before_fc`,
+  `fc_norm`, `norm_output`, another target width; DFlash family: dflash_family.from_foreign)
+  and the other model types with the reason.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import dflash_family, eagle3
-from specdecode.interop.common import verifier_facts
+from specdecode.interop.common import verifier_facts, verifier_head
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose config classes the tests validate against
 DEFAULT_K = {"eagle": 4, "dflash": 7, "dspark": 7}
@@ -56,16 +60,20 @@ def export(
 ) -> Path:
     method, arch = cfg["method"], cfg["arch"]
     if method in ("dflash", "dspark"):
-        dflash_family.refuse(f"the {method} drafter", dflash_family.export_refusal(method, arch, state))
-    if method != "eagle":
+        reasons = dflash_family.export_refusal(method, arch, state)
+        if reasons:
+            dflash_family.refuse(f"the {method} drafter", method, reasons)
+    elif method != "eagle":
         raise SpecDecodeError(f"speculators has no layout for specdecode's {method!r} drafters")
     verifier = _verifier(cfg, verifier_name_or_path, target)
     dtype = str(state["fc.weight"].dtype).removeprefix("torch.")
+    k = num_speculative_tokens or DEFAULT_K[method]
+    if method != "eagle":
+        return _export_dflash(cfg, state, out, verifier, target, verifier_name_or_path, k, dtype)
     tensors = eagle3.to_foreign(arch, state, prefix="layers.0.")
     if target is not None:
         w = target.model.embed(torch.arange(arch["target_vocab_size"], device=target.model.info.device))
         tensors["embed_tokens.weight"] = w.detach().to("cpu", state["fc.weight"].dtype).contiguous()
-    k = num_speculative_tokens or DEFAULT_K[method]
     config = {
         "speculators_model_type": "eagle3",
         "speculators_version": FORMAT_VERSION,
@@ -80,25 +88,60 @@ def export(
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in arch["feature_layers"]],
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": k,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {k: verifier[k] for k in ("name_or_path", "architectures")},
+            **_proposal(k, verifier),
         },
         "torch_dtype": dtype,
         "specdecode": {"method": method, "target": cfg["target"]},
     }
+    return _write(out, config, tensors)
+
+
+def _proposal(k: int, verifier: dict) -> dict:
+    return {
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": k,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {key: verifier[key] for key in ("name_or_path", "architectures")},
+    }
+
+
+def _write(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _export_dflash(cfg, state, out, verifier, target, verifier_name_or_path, k, dtype) -> Path:
+    method, arch = cfg["method"], cfg["arch"]
+    head = None
+    if arch["draft_vocab_size"] < arch["target_vocab_size"]:  # only then is the head stored
+        head = verifier_head(verifier_name_or_path or cfg["target"]["name"], target)
+        if head is None:
+            head = verifier_head(cfg["target"]["name"])
+    tensors, fields = dflash_family.to_foreign(method, arch, state, head)
+    num_drafts = arch["block_size"] - (0 if fields["sample_from_anchor"] else 1)
+    config = {
+        "speculators_model_type": method,
+        "speculators_version": FORMAT_VERSION,
+        "architectures": ["DFlashSpeculator" if method == "dflash" else "DSparkSpeculator"],
+        "transformer_layer_config": dflash_family.layer_config(
+            arch, verifier["max_position_embeddings"], dtype
+        ),
+        "draft_vocab_size": arch["draft_vocab_size"],
+        **fields,
+        "speculators_config": {"algorithm": method, **_proposal(min(k, num_drafts), verifier)},
+        "torch_dtype": dtype,
+        "specdecode": {"method": method, "target": cfg["target"]},
+    }
+    return _write(out, config, tensors)
 
 
 def _our_layer_ids(ids: list[int] | None, target, where: str) -> list[int]:
@@ -122,10 +165,23 @@ def import_(path: Path, cfg: dict, state: dict[str, torch.Tensor], target) -> tu
         )
     layer = cfg.get("transformer_layer_config") or {}
     if kind in ("dflash", "dspark"):
-        ids = _our_layer_ids(cfg.get("aux_hidden_state_layer_ids") or [], target, where)
-        dflash_family.import_refusal(where, layer, state, ids, target)
+        th = cfg.get("target_hidden_size")
+        if th is not None and th != layer.get("hidden_size"):
+            d = layer.get("hidden_size")
+            raise SpecDecodeError(f"{where} reads target features of width {th} into a {d}-wide layer")
+        ids = cfg.get("aux_hidden_state_layer_ids")
+        if ids is None:
+            raise SpecDecodeError(
+                f"{where} names no aux_hidden_state_layer_ids: which target layers it reads"
+            )
+        info = {**cfg, "layer_ids": _our_layer_ids(ids, target, where)}
+        info.setdefault("sample_from_anchor", kind == "dspark")  # speculators' default per model type
+        arch, ours = dflash_family.from_foreign(where, kind, layer, state, info, target)
+        return kind, arch, ours
     if kind != "eagle3":
-        raise SpecDecodeError(f"{where}: specdecode has no drafter of type {kind!r} (it imports eagle3)")
+        raise SpecDecodeError(
+            f"{where}: specdecode has no drafter of type {kind!r} (it imports eagle3, dflash and dspark)"
+        )
     flags = [f for f in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if cfg.get(f)]
     if flags:
         raise SpecDecodeError(

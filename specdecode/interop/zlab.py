@@ -8,9 +8,10 @@ Contract:
   `layers.{i}.mlp.*`, `norm.weight`. No embedding or LM head: both are the target's.
   `target_layer_ids` are 0-based decoder layers read as `hidden_states[id + 1]` (ours too);
   without them z-lab spreads `num_hidden_layers` ids from layer 1 to L - 3.
-- `import_(path, cfg, state, target)` refuses a checkpoint for another target (layer count,
-  width, vocabulary, feature layers) and otherwise with the architecture reasons of
-  dflash_family.py (its per-head q/k norms have no counterpart in specdecode's DFlash).
+- `import_(path, cfg, state, target)` -> ("dflash", arch, state): the layer is ours with
+  `qk_norm` and `mask_token_id` (dflash_family.from_foreign; full vocabulary, the target's head,
+  slot 0 the anchor). Refused with the reason: a checkpoint for another target (layer count,
+  width, vocabulary, feature layers), no mask token id, or a layer ours cannot compute.
 """
 
 from __future__ import annotations
@@ -47,5 +48,11 @@ def import_(path: Path, cfg: dict, state: dict[str, torch.Tensor], target) -> tu
             f"{where} was built for a target with {cfg['num_target_layers']} layers; {target.name!r} "
             f"has {L}: use a drafter trained for this target"
         )
-    dflash_family.import_refusal(where, cfg, state, layer_ids(cfg), target)
-    raise AssertionError("unreachable")  # import_refusal always raises today
+    info = {
+        "layer_ids": layer_ids(cfg),
+        "block_size": int(cfg.get("block_size", 16)),
+        "mask_token_id": cfg["dflash_config"].get("mask_token_id"),
+        "sample_from_anchor": False,  # z-lab: slot 0 is the anchor, slots 1.. draft
+    }
+    arch, ours = dflash_family.from_foreign(where, "dflash", cfg, state, info, target)
+    return "dflash", arch, ours

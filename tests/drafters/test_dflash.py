@@ -299,3 +299,39 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
         ["calibrate", "--target", str(tiny_llama_dir), "--drafter", str(src.parent), "--data", str(regen_dir)]
     )
     assert code == 2
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_training_with_qk_norm_and_a_mask_token_gives_an_exportable_drafter(
+    tiny, regen_dir, train_cfg, method_kw, tmp_path, method
+):
+    """`specdecode train dflash|dspark --qk-norm --mask-token-id N` reaches the task; the network
+    trains with per-head q/k norms and mask slots that read the target's embedding of N."""
+    from safetensors.torch import load_file
+
+    from specdecode.cli import build_parser
+    from specdecode.cli.train import _task_options
+    from specdecode.interop import export_drafter, import_drafter
+    from specdecode.training.run import run_training
+
+    argv = ["train", method, "--target", "t", "--data", "d", "--out", "o"]
+    argv += ["--qk-norm", "--mask-token-id", "5"]
+    opts = _task_options(build_parser().parse_args(argv))
+    assert opts["qk_norm"] is True and opts["mask_token_id"] == 5
+    plain = _task_options(build_parser().parse_args(argv[:8]))
+    assert plain["qk_norm"] is False and plain["mask_token_id"] is None  # off by default
+
+    out = tmp_path / method
+    kw = {**method_kw[method], "qk_norm": True, "mask_token_id": 5}
+    run_training(method, tiny, regen_dir, out, train_cfg(out, 4, eval_prompts=0), kw, progress=False)
+    arch = json.loads((out / "config.json").read_text())["arch"]
+    assert arch["qk_norm"] is True and arch["mask_token_id"] == 5
+    w = load_file(str(out / "model.safetensors"))
+    assert "mask_emb" not in w and "layers.0.attn.q_norm.weight" in w
+    k_norm = w["layers.0.attn.k_norm.weight"]
+    assert not torch.equal(k_norm, torch.ones_like(k_norm))  # trained
+    exported = export_drafter(out, tmp_path / "spec", target=tiny)
+    assert import_drafter(exported, tiny)[0] == method
+    drafter = build_drafter(method, tiny, str(out))
+    res = _decode(tiny, drafter, 3, [[1, 2, 3, 4]], max_new=12)[0]
+    assert len(res.token_ids) == 12

@@ -32,9 +32,10 @@ def specforge_dir(tiny, tmp_path):
 
 @pytest.fixture
 def zlab_dir(tiny, tmp_path):
-    """A z-lab DFlash checkpoint (DFlashDraftModel + dflash_config, Qwen3 layers, no embedding)."""
+    """A z-lab DFlash checkpoint (DFlashDraftModel + dflash_config, Qwen3 layers with q/k norms, no
+    embedding and no head: both are the target's), norms away from 1 so that every weight matters."""
 
-    def make(name="zlab", num_target_layers=None, hidden=None):
+    def make(name="zlab", num_target_layers=None, hidden=None, **over):
         i = tiny.model.info
         d = hidden or i.hidden_size
         g = torch.Generator().manual_seed(1)
@@ -54,20 +55,21 @@ def zlab_dir(tiny, tmp_path):
             "rope_theta": 1000000,
             "vocab_size": i.vocab_size,
             "tie_word_embeddings": False,
+            **over,
         }
         hd, H, Hk = i.head_dim, i.num_heads, i.num_kv_heads
         t = {
             "fc.weight": _w(d, 3 * d, g=g),
-            "hidden_norm.weight": torch.ones(d),
-            "norm.weight": torch.ones(d),
+            "hidden_norm.weight": 1 + _w(d, g=g, scale=0.3),
+            "norm.weight": 1 + _w(d, g=g, scale=0.3),
             "layers.0.self_attn.q_proj.weight": _w(H * hd, d, g=g),
             "layers.0.self_attn.k_proj.weight": _w(Hk * hd, d, g=g),
             "layers.0.self_attn.v_proj.weight": _w(Hk * hd, d, g=g),
             "layers.0.self_attn.o_proj.weight": _w(d, H * hd, g=g),
-            "layers.0.self_attn.q_norm.weight": torch.ones(hd),
-            "layers.0.self_attn.k_norm.weight": torch.ones(hd),
-            "layers.0.input_layernorm.weight": torch.ones(d),
-            "layers.0.post_attention_layernorm.weight": torch.ones(d),
+            "layers.0.self_attn.q_norm.weight": 1 + _w(hd, g=g, scale=0.3),
+            "layers.0.self_attn.k_norm.weight": 1 + _w(hd, g=g, scale=0.3),
+            "layers.0.input_layernorm.weight": 1 + _w(d, g=g, scale=0.3),
+            "layers.0.post_attention_layernorm.weight": 1 + _w(d, g=g, scale=0.3),
             "layers.0.mlp.gate_proj.weight": _w(96, d, g=g),
             "layers.0.mlp.up_proj.weight": _w(96, d, g=g),
             "layers.0.mlp.down_proj.weight": _w(d, 96, g=g),

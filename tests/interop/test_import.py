@@ -1,6 +1,6 @@
 """Import of foreign drafters (issue 16): SpecForge and speculators EAGLE-3 become our Eagle3 and
-draft exactly what the published layer computes; z-lab DFlash, other targets and unknown layouts
-are refused with the reason."""
+draft exactly what the published layer computes; other targets and unknown layouts are refused
+with the reason (z-lab DFlash and the speculators DFlash family: test_dflash_family.py)."""
 
 import json
 
@@ -133,14 +133,6 @@ def test_foreign_drafters_for_another_target_are_refused(tiny, specforge_dir, zl
         import_drafter(zlab_dir("z36", num_target_layers=36), tiny)
     with pytest.raises(SpecDecodeError, match="another target: hidden size 32"):
         import_drafter(zlab_dir("z32", hidden=32), tiny)
-
-
-def test_zlab_dflash_is_detected_and_refused_with_the_reason(tiny, zlab_dir):
-    path = zlab_dir()
-    assert detect_layout(path) == "zlab-dflash"
-    with pytest.raises(SpecDecodeError, match="q_norm / k_norm") as e:
-        import_drafter(path, tiny)
-    assert "specdecode's DFlash layer does not" in str(e.value)
 
 
 def test_unknown_layouts_are_refused(tiny, tmp_path):

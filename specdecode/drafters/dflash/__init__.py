@@ -25,7 +25,14 @@ METHOD = Method(
     variants={"dflash": 7},
     load=lambda variant, target, spec, **kw: load_dflash(spec, target),
     task="dflash",
-    train_options={"draft_vocab_size": 8192, "num_layers": 2, "block_size": 8, "num_anchors": 32},
+    train_options={
+        "draft_vocab_size": 8192,
+        "num_layers": 2,
+        "block_size": 8,
+        "num_anchors": 32,
+        "qk_norm": False,  # on (with mask_token_id): the layer vLLM / speculators serve
+        "mask_token_id": None,
+    },
     checkpoint="dflash",
     summary="block diffusion: a whole block of drafts in one forward",
 )

@@ -7,7 +7,8 @@ Contract:
   absolute position): `advance` queues the features of the verified block's kept rows (the
   anchor and the accepted drafts), the next `propose` fuses them and appends their per-layer
   keys/values (one batched projection, no layer pass: context rows are injected, not run).
-- `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k,
+- `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k (MASK:
+  the learned `mask_emb`, or the target's embedding of `mask_token_id` when the config sets one),
   attending to the context rows (all strictly before the anchor) and to the whole block; the
   block's keys/values are never written to the cache, so nothing needs cropping. The draft
   slots' logits (frozen target head over the draft vocabulary) give one processed q per slot
@@ -114,7 +115,9 @@ class DFlashDrafter(Drafter):
         anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
         emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
         pos = anchor_pos[:, None, None] + torch.arange(self.net.cfg.block_size)  # [B', 1, Bk]
-        return self.net.block_states(self.net.block_input(emb), pos.to(self.device), ctx_kv, visible)[:, 0]
+        mask = self.net.mask_vector(lambda ids: self.target.embed(ids.to(self.target.info.device)))
+        block = self.net.block_input(emb, mask.to(self.device, self.dtype))  # [B', 1, Bk, d]
+        return self.net.block_states(block, pos.to(self.device), ctx_kv, visible)[:, 0]
 
     # ---- propose --------------------------------------------------------------------------
     def _uniforms(self, batch, idx, num, j) -> torch.Tensor:

@@ -16,6 +16,12 @@ Contract:
   the block. Final norm, then the target's frozen LM head rows of the draft vocabulary (passed in
   as `head_w`, never stored). Slot 0 reads the target's frozen embedding of the anchor; mask slots
   read a learned mask vector `mask_emb`, which no token id produces.
+- Two optional architecture fields, off by default (every checkpoint without them loads and
+  computes as before), make the layer the published one (z-lab / speculators / vLLM DFlash, a
+  Qwen3 layer): `qk_norm` adds per-head RMSNorms `attn.q_norm` / `attn.k_norm` [D] on queries and
+  keys before RoPE (context and block rows alike); `mask_token_id` makes the mask slots read the
+  target's embedding of that token (the network then has no `mask_emb`). `mask_vector(embed)`
+  gives what the mask slots read; `block_input(anchor_emb, mask)` builds the block from it.
 - `context_kv(ctx [S, T, d], positions [S, T])` -> per layer (k, v) `[S, T, Hk, D]`: exactly what
   the inference cache stores for committed context rows.
 - `block_states(emb [S, A, B, d], positions [S, A, B], ctx_kv, ctx_visible [S, A, T])` -> final
@@ -37,10 +43,10 @@ from specdecode.drafters.layers import (
     DraftConfig,
     RMSNorm,
     SwiGLU,
-    apply_rope,
     rope_table,
     target_shape,
 )
+from specdecode.errors import SpecDecodeError
 
 
 def dflash_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -67,6 +73,18 @@ class DFlashConfig(DraftConfig):
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     markov_rank: int = 0  # DSpark only
+    qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3, the published DFlash layer)
+    mask_token_id: int | None = None  # mask slots read the target's embedding of this id, not mask_emb
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("dflash", "dspark"):
+            raise SpecDecodeError(f"DFlash layout must be 'dflash' or 'dspark', got {self.layout!r}")
+        m = self.mask_token_id
+        if m is not None and not (isinstance(m, int) and 0 <= m < self.target_vocab_size):
+            raise SpecDecodeError(
+                f"mask_token_id {m!r} is not a row of the target's embedding "
+                f"(0..{self.target_vocab_size - 1}); pick a token id the target has (an unused special token)"
+            )
 
     @property
     def first_draft_slot(self) -> int:
@@ -111,16 +129,15 @@ class InjectLayer(nn.Module):
         d = cfg.hidden_size
         self.cfg = cfg
         self.input_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
-        self.attn = DraftAttention(d, d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = DraftAttention(
+            d, d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps
+        )
         self.post_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.mlp = SwiGLU(d, cfg.intermediate_size)
 
     def context_kv(self, ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """ctx [S, T, d] -> k, v [S, T, Hk, D] (RoPE on k)."""
-        S, T, _ = ctx.shape
-        a = self.attn
-        k = a.k_proj(ctx).view(S, T, a.Hk, a.D)
-        return apply_rope(k, cos, sin), a.v_proj(ctx).view(S, T, a.Hk, a.D)
+        """ctx [S, T, d] -> k, v [S, T, Hk, D] (k normed when qk_norm, RoPE on k)."""
+        return self.attn.kv(ctx, cos, sin)
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
         """h [S, A, B, d]; cos/sin [S, A*B, D] -> [S, A, B, d]."""
@@ -141,14 +158,16 @@ class DFlash(nn.Module):
         self.ctx_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(InjectLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, eps=cfg.rms_norm_eps)
-        self.mask_emb = nn.Parameter(torch.zeros(d))
+        if cfg.mask_token_id is None:  # with a mask token the slots read the target's embedding
+            self.mask_emb = nn.Parameter(torch.zeros(d))
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # [Vd]
 
     def init_from_target(self, embed_weight: torch.Tensor, d2t: torch.Tensor) -> None:
         """The mask vector starts as the mean token embedding; `d2t` = the draft vocabulary."""
         with torch.no_grad():
             self.d2t.copy_(d2t)
-            self.mask_emb.copy_(embed_weight.float().mean(0))
+            if self.cfg.mask_token_id is None:
+                self.mask_emb.copy_(embed_weight.float().mean(0))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[.., 5d] target features (layer order of cfg.feature_layers) -> [.., d] context."""
@@ -171,10 +190,19 @@ class DFlash(nn.Module):
             h = layer(h, cos, sin, k, v, ctx_visible)
         return self.norm(h)
 
-    def block_input(self, anchor_emb: torch.Tensor) -> torch.Tensor:
-        """[S, A, d] anchor embeddings -> [S, A, B, d] block input (anchor, then mask vectors)."""
+    def mask_vector(self, embed) -> torch.Tensor:
+        """[d] what every mask slot reads: `mask_emb`, or with `mask_token_id` the target's
+        embedding of that token (`embed`: [..] ids -> [.., d], the frozen target embedding)."""
+        if self.cfg.mask_token_id is None:
+            return self.mask_emb
+        ids = torch.tensor([self.cfg.mask_token_id], device=self.d2t.device)
+        return embed(ids)[0]
+
+    def block_input(self, anchor_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[S, A, d] anchor embeddings, [d] mask vector -> [S, A, B, d] block input (anchor, then
+        mask vectors)."""
         S, A, d = anchor_emb.shape
-        mask = self.mask_emb.to(anchor_emb.dtype).expand(S, A, self.cfg.block_size - 1, d)
+        mask = mask.to(anchor_emb.device, anchor_emb.dtype).expand(S, A, self.cfg.block_size - 1, d)
         return torch.cat([anchor_emb[:, :, None], mask], dim=2)
 
     def logits(self, states: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ METHOD = Method(
         "block_size": 7,
         "num_anchors": 32,
         "markov_rank": 256,
+        "qk_norm": False,
+        "mask_token_id": None,
     },
     options=("confidence_threshold", "threshold_on"),
     checkpoint="dspark",

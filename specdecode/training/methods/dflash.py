@@ -1,10 +1,12 @@
 """DFlash training task for the shared trainer (specdecode.training.trainer).
 
-Contract: `DFlashTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors)` builds
-a `DFlash` for the target (5 fused feature layers, frozen embedding and head rows of the draft
-vocabulary; its layers start from the target's last decoder layers, `init_from_target`) and a
-loss module that packs `num_anchors` random blocks per sequence (context
-strictly before each anchor) and applies the position-decayed CE on the draft slots.
+Contract: `DFlashTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors,
+**arch)` builds a `DFlash` for the target (5 fused feature layers, frozen embedding and head rows
+of the draft vocabulary; its layers start from the target's last decoder layers,
+`init_from_target`) and a loss module that packs `num_anchors` random blocks per sequence (context
+strictly before each anchor) and applies the position-decayed CE on the draft slots. `arch`:
+further DFlashConfig fields, e.g. `qk_norm` and `mask_token_id`, the options a checkpoint needs to
+export to the speculators layout (docs/interop.md).
 `make_drafter()` returns a `DFlashDrafter` over the current weights (served-tau evaluation).
 
 The loss:
@@ -32,7 +34,7 @@ from specdecode.drafters.dflash.model import (
     t2d_table,
     to_draft_ids,
 )
-from specdecode.drafters.layers import HF_LAYER_NAMES
+from specdecode.drafters.layers import HF_LAYER_NAMES, QK_NORM_NAMES
 from specdecode.models.loader import open_checkpoint
 from specdecode.training.vocab import draft_vocabulary
 
@@ -54,6 +56,10 @@ def copy_target_layers(net: DFlash, target) -> list[int] | None:
             if key not in src:
                 return None
             state[f"layers.{j}.{ours}"] = src[key].float()
+        for ours, theirs in QK_NORM_NAMES.items() if net.cfg.qk_norm else ():
+            key = f"{pre}layers.{i}.{theirs}"  # a Qwen3 target has them; otherwise they start at 1
+            if key in src:
+                state[f"layers.{j}.{ours}"] = src[key].float()
     if f"{pre}norm.weight" in src:
         state["norm.weight"] = src[f"{pre}norm.weight"].float()
     # Context = the deepest fused feature, normed like the first copied layer's input: at init
@@ -98,7 +104,7 @@ def block_batch(net: DFlash, ctx, embed, input_ids, loss_mask, lengths, num_anch
     ctx_kv = net.context_kv(ctx, pos[None].expand(S, T))
     ctx_visible = pos[None, None] < anchors[:, :, None]  # [S, A, T]: strictly before the anchor
     anchor_ids = torch.gather(input_ids, 1, anchors)  # [S, A]
-    emb = net.block_input(embed(anchor_ids).to(ctx.dtype))  # [S, A, B, d]
+    emb = net.block_input(embed(anchor_ids).to(ctx.dtype), net.mask_vector(embed))  # [S, A, B, d]
     slot_pos = anchors[:, :, None] + torch.arange(B, device=dev)  # [S, A, B]
     states = net.block_states(emb, slot_pos, ctx_kv, ctx_visible)[:, :, cfg.first_draft_slot :]
     j = torch.arange(cfg.num_drafts, device=dev)  # draft index, 0-based
