@@ -14,7 +14,8 @@ Contract:
   `models.formats`). The reason is kept in `unavailable["cpu"]`.
 - Built by torch's JIT extension builder (ninja) into torch's extension directory
   (`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`), under a name holding the
-  sources' hash; the first build takes about a minute, later loads are instant.
+  sources' hash and the torch version; the first build takes about a minute, later loads are
+  instant.
 - `SPECDECODE_NO_KERNELS=1` disables them (e.g. to compare against stock PyTorch).
 """
 
@@ -61,8 +62,11 @@ def _ops():
     try:
         from torch.utils.cpp_extension import load
 
+        # torch's extension directory is shared by every environment of one Python version:
+        # the torch version in the name keeps two environments from loading each other's build
+        torch_tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
         load(
-            name=f"specdecode_cpu_{tag}",
+            name=f"specdecode_cpu_{tag}_torch{torch_tag}",
             sources=[str(p) for p in srcs],
             # OpenMP pragmas (at::parallel_for) compiled in, but no OpenMP runtime linked: the
             # symbols resolve to the one torch already loaded, so both share one thread pool
