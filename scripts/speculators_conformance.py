@@ -11,6 +11,12 @@ Two halves, because speculators 0.9.0 pins transformers <= 5.19 and specdecode p
   unchanged in the model) and the embedding from the verifier directory with its own
   `_load_verifier_weights(overwrite_embed_tokens=True)`, runs its
   `forward(..., ttt_steps=3)` with eager attention and compares the logits of each step.
+The same for DFlash and DSpark (no such drafter ships: `reference` writes a seeded random one
+for SmolLM2 with `qk_norm` and `mask_token_id`, a reduced draft vocabulary, and exports it):
+`check` validates the config (`DFlashSpeculatorConfig` / `DSparkSpeculatorConfig`), loads the
+weights into `DFlashDraftModel` / `DSparkDraftModel` unchanged, runs its training forward on the
+target's features with one anchor (eager attention) and compares the block's draft logits (DSpark:
+with the Markov bias given the block's tokens, and the confidence logits) with ours.
 Prints one `CONFORMANCE ...` line per check and exits non-zero on the first failure.
 """
 
@@ -23,6 +29,7 @@ import torch
 
 PROMPT = "Write a Python function that reverses a string, then explain how it works."
 STEPS = 3
+MASK_ID = 3  # a SmolLM2 special token that never occurs in chat text
 
 
 def reference(out: Path) -> None:
@@ -60,6 +67,64 @@ def reference(out: Path) -> None:
         str(out / "reference.safetensors"),
     )
     print(f"REFERENCE written: T={T} steps={STEPS} Vd={logits.shape[-1]} -> {out}")
+    for method in ("dflash", "dspark"):
+        dflash_reference(target, ids, out, method)
+
+
+def dflash_reference(target, ids, out: Path, method: str) -> None:
+    """A seeded random DFlash / DSpark for the target (qk_norm, mask_token_id, Vd = 8192), its
+    speculators export, and our logits for one block at anchor a (context rows < a)."""
+    from safetensors.torch import save_file
+
+    from specdecode.drafters.checkpoint import save_checkpoint
+    from specdecode.drafters.dflash.model import DFlash, DFlashConfig, t2d_table
+    from specdecode.drafters.dspark.model import DSpark
+    from specdecode.interop import export_drafter
+    from specdecode.interop.common import sorted_vocab
+
+    info, V = target.model.info, target.model.info.vocab_size
+    kw = {"layout": "dspark", "markov_rank": 64, "block_size": 7} if method == "dspark" else {}
+    cfg = DFlashConfig.for_target(info, target.config, 8192, qk_norm=True, mask_token_id=MASK_ID, **kw)
+    net = (DSpark if method == "dspark" else DFlash)(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(("norm" in name) + 0.05 * torch.randn(p.shape, generator=g))
+        net.d2t.copy_(torch.randperm(V, generator=g)[:8192])
+    net.eval()
+    src = save_checkpoint(
+        out / f"ours-{method}", method, cfg.to_json(), net.state_dict(), target, dtype=torch.float32
+    )
+    export_drafter(src, out / f"export-{method}", verifier_name_or_path=str(target.path))
+    T, B = ids.shape[1], cfg.block_size
+    a = T - B - 1  # the anchor: a whole block fits before the end
+    layers = list(cfg.feature_layers)
+    hidden = target.model.prefill(ids, target.model.new_cache(1, T + 1), [0], capture=layers).hidden
+    feats = torch.cat([hidden[i] for i in layers], dim=-1).float()  # [1, T, 5d]
+    embed = target.model.embed
+    with torch.no_grad():
+        kv = net.context_kv(net.fuse(feats), torch.arange(T)[None])
+        block = net.block_input(embed(ids[:, a : a + 1]), net.mask_vector(embed))  # [1, 1, B, d]
+        visible = (torch.arange(T) < a)[None, None]
+        states = net.block_states(block, (a + torch.arange(B))[None, None], kv, visible)[0, 0]  # [B, d]
+        logits = net.logits(states, target.model.lm_head_weight().float()[net.d2t])  # [B, Vd]
+        extra = {}
+        if method == "dspark":
+            prev = t2d_table(net.d2t, V)[ids[0, a : a + B]]  # the block's own tokens, as theirs
+            logits = net.markov_logits(logits, prev)
+            extra["confidence"] = net.confidence_logit(states, prev).contiguous()
+    perm = sorted_vocab(net.d2t)
+    save_file(
+        {
+            "feats": feats.contiguous(),
+            "ids": ids.contiguous(),
+            "logits": logits[:, perm].contiguous(),
+            **extra,
+        },
+        str(out / f"reference-{method}.safetensors"),
+        metadata={"anchor": str(a)},
+    )
+    print(f"REFERENCE {method} written: T={T} anchor={a} block={B}")
 
 
 def check(out: Path) -> None:
@@ -117,13 +182,89 @@ def check(out: Path) -> None:
     if not ok:
         sys.exit(f"CONFORMANCE FAIL {line}")
     print(f"CONFORMANCE OK {line}")
-    # Why DFlash / DSpark exports are refused: the format's layer normalises q and k per head.
-    from speculators.models.dflash.model_definitions import Qwen3DFlashDecoderLayer
-    from transformers import Qwen3Config
+    for method in ("dflash", "dspark"):
+        check_dflash(out, method)
 
-    tiny = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    norms = sorted(n for n, _ in Qwen3DFlashDecoderLayer(tiny, 0).named_parameters() if "_norm" in n)
-    print(f"CONFORMANCE OK dflash/dspark refusal grounded: speculators' DFlash layer has {norms}")
+
+def check_dflash(out: Path, method: str) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModelConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    export = out / f"export-{method}"
+    ref_path = out / f"reference-{method}.safetensors"
+    ref = load_file(str(ref_path))
+    with safe_open(str(ref_path), framework="pt") as f:
+        a = int(f.metadata()["anchor"])
+    want = DFlashSpeculatorConfig if method == "dflash" else DSparkSpeculatorConfig
+    cfg = SpeculatorModelConfig.from_pretrained(str(export))
+    if type(cfg) is not want:
+        sys.exit(f"CONFORMANCE FAIL {method} config: {type(cfg).__name__} is not {want.__name__}")
+    print(
+        f"CONFORMANCE OK {method} config: {type(cfg).__name__} "
+        f"layer={type(cfg.transformer_layer_config).__name__} block_size={cfg.block_size} "
+        f"mask_token_id={cfg.mask_token_id} aux_layers={cfg.aux_hidden_state_layer_ids} "
+        f"sample_from_anchor={cfg.sample_from_anchor} draft_vocab_size={cfg.draft_vocab_size}"
+    )
+    cfg.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a GPU
+    cls = DFlashDraftModel if method == "dflash" else DSparkDraftModel
+    model = cls.from_pretrained(str(export), config=cfg, dtype=torch.float32).eval()
+    stored = load_file(str(export / "model.safetensors"))
+    params = model.state_dict()
+    missing = sorted(set(stored) - set(params))
+    changed = [k for k, v in stored.items() if k in params and not torch.equal(params[k].to(v.dtype), v)]
+    if missing or changed:
+        sys.exit(f"CONFORMANCE FAIL {method} weights: unknown {missing}, not loaded as stored {changed}")
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+    if model.embed_tokens.weight.isnan().any() or model.lm_head.weight.isnan().any():
+        sys.exit(f"CONFORMANCE FAIL {method} verifier weights: embedding or head left uninitialised")
+    print(
+        f"CONFORMANCE OK {method} weights: {len(stored)} tensors load unchanged (embedding from the verifier)"
+    )
+    got: dict[str, torch.Tensor] = {}
+    model.lm_head.register_forward_hook(lambda mod, inp, o: got.__setitem__("logits", o.detach()))
+    model.norm.register_forward_hook(lambda mod, inp, o: got.__setitem__("hidden", o.detach()))
+    if method == "dspark":
+        model.confidence_head.register_forward_hook(lambda mod, inp, o: got.__setitem__("conf", o.detach()))
+    feats, ids = ref["feats"], ref["ids"]
+    T, B = ids.shape[1], cfg.block_size
+    loss_mask = torch.zeros(1, T, dtype=torch.long)
+    loss_mask[0, a] = 1  # one anchor candidate: a
+    from speculators.losses import resolve_loss_config
+
+    losses = {"loss_config": resolve_loss_config("kl_div", "eager")}  # the fused ones need Triton
+    if method == "dspark":
+        losses["tv_loss_fn"] = resolve_loss_config("tv", "eager")["tv"][0]
+    with torch.no_grad():
+        model(
+            **losses,
+            hidden_states=feats,
+            input_ids=ids,
+            loss_mask=loss_mask,
+            verifier_last_hidden_states=torch.zeros(
+                1, T, feats.shape[-1] // len(cfg.aux_hidden_state_layer_ids)
+            ),
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            max_anchors=1,
+        )
+    theirs = got["logits"][0]  # [B, Vd]
+    if method == "dspark":
+        bias = model.markov_head.block_bias(
+            prev_token_ids=ids[:, a : a + B], hidden_states=got["hidden"].view(1, B, -1)
+        )
+        theirs = theirs + bias[0]
+    worst = float((theirs - ref["logits"]).abs().max())
+    same = float((theirs.argmax(-1) == ref["logits"].argmax(-1)).float().mean())
+    line = f"{method} draft logits over a block of {B}: max |diff| {worst:.2e}, argmax agreement {same}"
+    if method == "dspark":
+        cdiff = float((got["conf"].reshape(-1) - ref["confidence"]).abs().max())
+        line += f", confidence logits max |diff| {cdiff:.2e}"
+        worst = max(worst, cdiff)
+    if worst > 1e-3 or same < 1.0:
+        sys.exit(f"CONFORMANCE FAIL {line}")
+    print(f"CONFORMANCE OK {line}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Conformance with the vLLM `speculators` package (issue 16, part 3): our export validates against
-its config classes, loads into its Eagle3DraftModel unchanged and gives our draft logits.
+its config classes, loads into its Eagle3DraftModel / DFlashDraftModel / DSparkDraftModel unchanged
+and gives our draft logits.
 
 speculators 0.9.0 pins transformers <= 5.19 (we pin 5.24), so it lives in .venv-speculators
 (docs/interop.md): the first test runs wherever both import; the second runs
@@ -47,6 +48,8 @@ def test_check_speculators_script(tmp_path, smollm2_dir):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     checks = ("OK config: Eagle3SpeculatorConfig", "OK weights: 15 tensors load unchanged", "OK draft logits")
+    checks += ("OK dflash config: DFlashSpeculatorConfig", "OK dflash draft logits")
+    checks += ("OK dspark config: DSparkSpeculatorConfig", "OK dspark draft logits")
     for check in checks:
         assert f"CONFORMANCE {check}" in out, out[-3000:]
     assert "argmax agreement [1.0, 1.0, 1.0]" in out and "FAIL" not in out
