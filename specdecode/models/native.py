@@ -290,7 +290,6 @@ class NativeDecoder(nn.Module):
         ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
         B, N = cos.shape[:2]
         d, H, Hk, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
-        G = H // Hk
         # 1. attention input: fused QKV projection, (qwen3) per-head norm, RoPE on q and k at once
         h = F.rms_norm(x, (d,), ln1, s.rms_norm_eps)
         qkv = qkv_proj(h)  # [B*N, (H+2Hk)D]
@@ -301,34 +300,8 @@ class NativeDecoder(nn.Module):
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the table holds the signed sin.
         qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, N, H+Hk, D]
         k = qk[:, :, H:]  # [B, N, Hk, D]
-        # 2. write the new K/V rows, then read the span this step attends to
-        if plan.k_dst is not None:
-            plan.k_dst[i].copy_(k)
-            plan.v_dst[i].copy_(v)
-        else:
-            idx = (plan.slot_idx.unsqueeze(1), plan.rows)
-            plan.k_all[i].index_put_(idx, k)
-            plan.v_all[i].index_put_(idx, v)
-        if plan.k_src is not None:
-            keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
-        else:
-            keys = plan.k_span[i].index_select(0, plan.slot_idx)
-            values = plan.v_span[i].index_select(0, plan.slot_idx)
-        # 3. attention with the G query heads of each KV head folded into the query axis
-        q = qk[:, :, :H]  # [B, N, H, D]
-        if N == 1:
-            q = q.view(B, Hk, G, D)
-        else:
-            q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
-        if plan.window is None:
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask)  # [B, Hk, G*N, D]
-        else:  # the slots' range in place: a few dummy queries instead of copying every K/V row
-            qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
-            o = F.scaled_dot_product_attention(qw, keys, values, attn_mask=plan.mask)[plan.window]
-        if N == 1:
-            o = o.view(B, H * D)
-        else:
-            o = o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
+        # 2.-3. cache write and read, attention with the G query heads folded into the query axis
+        o = self._attend(plan, i, qk[:, :, :H], k, v, _sdpa, B, N)  # [B*N, H*D]
         x = x + o_proj(o)
         # 4. SiLU MLP with fused gate/up
         h = F.rms_norm(x, (d,), ln2, s.rms_norm_eps)
@@ -343,7 +316,6 @@ class NativeDecoder(nn.Module):
         s = self.spec
         ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
         H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
-        G = H // Hk
         # 1. attention input: norm, fused QKV projection, (qwen3) per-head norm, RoPE in place
         qkv = qkv_proj(ops.rms_norm(x, ln1, s.rms_norm_eps))  # [B*N, (H+2Hk)D]
         if qk_norm is not None:
@@ -352,7 +324,21 @@ class NativeDecoder(nn.Module):
         ops.rope_(qkv, cs, H + Hk)
         k = qkv[:, H * D : (H + Hk) * D].view(B, N, Hk, D)
         v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
-        # 2. write the new K/V rows, then read the span this step attends to
+        # 2.-3. cache write and read, attention; long prefill chunks go to SDPA's flash kernel,
+        # every step and verify block to ours
+        attend = ops.attention if N <= FUSED_ATTENTION_ROWS else _sdpa
+        o = self._attend(plan, i, qkv[:, : H * D].view(B, N, H, D), k, v, attend, B, N)  # [B*N, H*D]
+        x, h = ops.add_rms_norm(x, o_proj(o), ln2, s.rms_norm_eps)
+        # 4. SiLU MLP with fused gate/up
+        return x + down_proj(ops.silu_mul(gu_proj(h)))
+
+    def _attend(self, plan: _Plan, i: int, q, k, v, attend, B: int, N: int) -> torch.Tensor:
+        """Write layer i's new K/V rows (k, v [B, N, Hk, D]), read the span this step attends to,
+        and attend with the G query heads of each KV head folded into the query axis
+        (q [B, N, H, D]; `attend(q, keys, values, mask)` is SDPA or our kernel) -> [B*N, H*D]."""
+        s = self.spec
+        H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
+        G = H // Hk
         if plan.k_dst is not None:
             plan.k_dst[i].copy_(k)
             plan.v_dst[i].copy_(v)
@@ -365,26 +351,18 @@ class NativeDecoder(nn.Module):
         else:
             keys = plan.k_span[i].index_select(0, plan.slot_idx)
             values = plan.v_span[i].index_select(0, plan.slot_idx)
-        # 3. attention, the G query heads of each KV head folded into the query axis; long
-        # prefill chunks go to SDPA's flash kernel, every step and verify block to ours
-        q = qkv[:, : H * D]
         if N == 1:
             q = q.view(B, Hk, G, D)
         else:
             q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
-        attend = ops.attention if N <= FUSED_ATTENTION_ROWS else _sdpa
         if plan.window is None:
             o = attend(q, keys, values, plan.mask)  # [B, Hk, G*N, D]
-        else:
+        else:  # the slots' range in place: a few dummy queries instead of copying every K/V row
             qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
             o = attend(qw, keys, values, plan.mask)[plan.window]
         if N == 1:
-            o = o.view(B, H * D)
-        else:
-            o = o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
-        x, h = ops.add_rms_norm(x, o_proj(o), ln2, s.rms_norm_eps)
-        # 4. SiLU MLP with fused gate/up
-        return x + down_proj(ops.silu_mul(gu_proj(h)))
+            return o.view(B, H * D)
+        return o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
 
     def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
         """Plan the cache writes/reads and build the attention mask once for all layers."""
