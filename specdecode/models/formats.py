@@ -13,6 +13,9 @@ Contract:
   - `bf16w`: bf16 weights, fp32 activations and accumulation, our own AVX2 kernel
     (`models/kernels/bf16w.cpp`): half the bytes of fp32 per product at fp32 arithmetic, for
     CPUs whose bf16 GEMMs are slow; absent where it cannot be built;
+  - `bf16-amx`: bf16 weights and activations (x rounded to bf16 per product), fp32
+    accumulation, on AMX tiles (`models/kernels/amx.cpp`): up to 16 rows cost what one costs;
+    absent where the CPU or the OS gives no AMX;
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
     asymmetric), PyTorch's own CPU kernels. They change the model: never chosen by `auto`.
 * A `FormatPlan` maps the number of rows M of a product to a kernel: bucket i covers
@@ -46,7 +49,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # rows M of a product: one step ... a prefill chunk
-AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w")
+AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx")
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
@@ -129,6 +132,23 @@ def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
     return _reads(fn, packed)
 
 
+def _bf16amx(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+    ops = kernels.fused()
+    if ops is None:
+        raise RuntimeError(kernels.unavailable.get("cpu", "the bf16-amx kernel is unavailable"))
+    n = w.shape[0]
+    packed = ops.bf16amx_pack(w.to(torch.bfloat16))  # [ceil(out/64), ceil(in/32), 4, 16, 16, 2]
+    bb = None if b is None else b.float()
+    op = ops.bf16amx_linear
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return op(x, packed, n, bb)
+        return op(x.float(), packed, n, bb).to(x.dtype)
+
+    return _reads(fn, packed)
+
+
 def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
@@ -176,6 +196,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     "fp32-onednn": _onednn(torch.float32),
     "bf16-onednn": _onednn(torch.bfloat16),
     "bf16w": _bf16w,
+    "bf16-amx": _bf16amx,
     "int8": _int8,
     "int4": _int4,
 }

@@ -1,5 +1,7 @@
-"""Our compiled CPU kernels: bf16w computes x @ w.T + b in fp32 arithmetic from bf16 weights, at
-every shape its tiles cut differently (row and column remainders, K not a multiple of 16)."""
+"""Our compiled CPU kernels: bf16w computes x @ w.T + b in fp32 arithmetic from bf16 weights, and
+bf16amx the product of bf16-rounded x and bf16 weights accumulated in fp32 (where AMX runs), at
+every shape their tiles cut differently (row and column remainders, K not a multiple of the
+tile)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,37 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
         ops.bf16w_pack(w.float())
     with pytest.raises(RuntimeError, match="bf16w_pack"):
         ops.bf16w_linear(x[:, :32], packed, 12, None)
+
+
+@pytest.fixture(scope="module")
+def amx(ops):
+    try:
+        ops.bf16amx_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError as e:  # no AMX on this CPU, or the OS refused the tiles
+        pytest.skip(f"AMX is not available here: {str(e)[:80]}")
+    return ops
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (130, 576)])
+def test_bf16amx_is_the_product_of_bf16_inputs_accumulated_in_fp32(amx, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    packed = amx.bf16amx_pack(w)
+    ref = x.to(torch.bfloat16).double() @ w.double().t()  # x rounded to bf16, exact products
+    for bias in (b, None):
+        y = amx.bf16amx_linear(x, packed, n, bias)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        want = ref + b.double() if bias is not None else ref
+        assert (y.double() - want).abs().max() < 1e-5 * k**0.5 * want.abs().max().clamp(min=1)
+    full = amx.bf16amx_linear(x, packed, n, b)
+    for r in (0, m - 1):  # a row rounds alike alone and in any block of rows
+        assert torch.equal(amx.bf16amx_linear(x[r : r + 1], packed, n, b), full[r : r + 1])
+    if k > 64:  # x from another shape is refused (K is known to within one tile of 32)
+        with pytest.raises(RuntimeError, match="bf16amx_pack"):
+            amx.bf16amx_linear(x[:, : k // 2], packed, n, None)
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

@@ -5,6 +5,9 @@ Contract:
   - the bf16-weight product of `bf16w.cpp`: `bf16w_pack(w [N, K] bf16) -> packed` once, then
     `bf16w_linear(x [M, K] fp32, packed, N, bias [N] | None) -> [M, N] fp32` (x @ w.T + bias
     in fp32 arithmetic);
+  - the AMX product of `amx.cpp`: `bf16amx_pack(w [N, K] bf16)` once (raises where the CPU or
+    the OS gives no AMX tiles), then `bf16amx_linear(x [M, K] fp32, packed, N, bias | None)`
+    (x rounded to bf16, bf16 x bf16 products accumulated in fp32);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
     `attention`; contracts in that file).
   Each computes a row the same way whatever the number of rows.
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("bf16w.cpp", "fused.cpp")
+SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp")
 unavailable: dict[str, str] = {}
 
 

@@ -61,6 +61,14 @@ inline __m256 exp_shifted(__m256 x, __m256 m) {
   return _mm256_andnot_ps(masked, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+// silu(z) * u = z / (1 + exp(-z)) * u in 8 lanes (exp_shifted's polynomial; exp(-z) clamped to
+// [exp(-87), exp(88)], which only moves results below fp32's resolution)
+inline __m256 silu_mul8(__m256 z, __m256 u) {
+  const __m256 nz = _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), _mm256_set1_ps(88.f));
+  const __m256 e = exp_shifted(nz, _mm256_setzero_ps());
+  return _mm256_mul_ps(_mm256_div_ps(z, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
 // Dot product in 8 fp32 lanes (compilers keep float reductions scalar unless told to reorder).
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -69,6 +77,63 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hadd(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// q . k for 8 keys at once: 8 independent accumulators over d (no hadd per key), then one
+// transposing reduction; key t's lanes are summed in the same order whatever the other keys.
+inline __m256 score8(const float* q, const float* const* k, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + i), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + i), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + i), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + i), a7);
+  }
+  // pairwise sums: [a0 a1 a2 a3 | ...] lanes reduced so that output lane t holds sum(a_t)
+  const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+  const __m256 h45 = _mm256_hadd_ps(a4, a5), h67 = _mm256_hadd_ps(a6, a7);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  // h0123 = [s0lo s1lo s2lo s3lo | s0hi s1hi s2hi s3hi] (lo/hi: 128-bit halves), same for 4-7
+  const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  __m256 out = _mm256_add_ps(lo, hi);
+  if (i < d) {  // a tail shorter than 8 (head sizes are multiples of 8 in practice)
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, out);
+    for (int t = 0; t < 8; ++t)
+      for (int64_t e = i; e < d; ++e) tail[t] += q[e] * k[t][e];
+    out = _mm256_load_ps(tail);
+  }
+  return out;
+}
+
+// o[0, d) = inv * sum_j p[j] v[j] over j < n with p[j] != 0, in 8-lane registers (64 at a time)
+inline void weighted_sum(const float* p, int64_t n, float inv, const float* v, int64_t vl, int64_t d,
+                         float* o) {
+  int64_t e0 = 0;
+  for (; e0 + 64 <= d; e0 += 64) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;
+      const __m256 pj = _mm256_set1_ps(p[j] * inv);
+      const float* vj = v + j * vl + e0;
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + e0 + 8 * u, acc[u]);
+  }
+  for (int64_t e = e0; e < d; ++e) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] != 0.f) acc = std::fma(p[j] * inv, v[j * vl + e], acc);
+    o[e] = acc;
+  }
 }
 
 inline void norm_row(const float* x, const float* w, float eps, int64_t d, float* y) {
@@ -151,11 +216,20 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   auto y = torch::empty({M, I}, gc.options());
   const float* g = gc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M * I, 4096, [&](int64_t a, int64_t b) {
-    for (int64_t e = a; e < b; ++e) {
-      const int64_t m = e / I, i = e % I;
-      const float z = g[m * 2 * I + i];
-      yp[e] = z / (1.f + std::exp(-z)) * g[m * 2 * I + I + i];
+  // rows split over threads; within a row 8 lanes at a time, the tail through a padded copy, so
+  // every element goes through the same vector code wherever it lies
+  at::parallel_for(0, M, 4, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) {
+      const float *gr = g + m * 2 * I, *ur = gr + I;
+      float* yr = yp + m * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(yr + i, silu_mul8(_mm256_loadu_ps(gr + i), _mm256_loadu_ps(ur + i)));
+      if (i < I) {
+        alignas(32) float zt[8] = {}, ut[8] = {}, yt[8];
+        for (int64_t t = 0; t < I - i; ++t) zt[t] = gr[i + t], ut[t] = ur[i + t];
+        _mm256_store_ps(yt, silu_mul8(_mm256_load_ps(zt), _mm256_load_ps(ut)));
+        for (int64_t t = 0; t < I - i; ++t) yr[i + t] = yt[t];
+      }
     }
   });
   return y;
@@ -197,6 +271,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> s(RC * Lp);
     std::vector<float> qs(RC * D);
+    std::vector<float> zero_key(D, 0.f);
     for (int64_t task = a; task < b; ++task) {
       const int64_t bh = task / chunks, r0 = (task % chunks) * RC, rn = std::min(RC, R - r0);
       const int64_t bi = bh / Hk, h = bh % Hk;
@@ -205,19 +280,31 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const float* qq = qp + (bh * R + r0) * D;
       const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
       for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
-      // 1. scores; a key none of these rows may see is skipped (never read)
+      // 1. scores, 8 keys at a time (keys past L read a zero key); a block of keys none of these
+      //    rows may see is skipped (never read). Every score comes from score8, whatever its
+      //    neighbours, so a row's scores do not depend on the other rows of the chunk.
       int64_t last = -1;  // last key any of these rows sees
-      for (int64_t j = 0; j < L; ++j) {
-        bool any = false;
+      for (int64_t j0 = 0; j0 < L; j0 += 8) {
+        const int64_t jn = std::min<int64_t>(8, L - j0);
+        const float* keys[8];
+        for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
         for (int64_t r = 0; r < rn; ++r) {
-          if (mm && !mm[r * L + j]) {
-            s[r * Lp + j] = ninf;
+          float* sr = s.data() + r * Lp + j0;
+          const bool* mr = mm ? mm + r * L + j0 : nullptr;
+          bool any = false;
+          for (int64_t t = 0; t < jn; ++t) any = any || !mr || mr[t];
+          if (!any) {
+            for (int64_t t = 0; t < 8; ++t) sr[t] = ninf;
             continue;
           }
-          s[r * Lp + j] = dot(qs.data() + r * D, kk + j * kl, D);
-          any = true;
+          _mm256_storeu_ps(sr, score8(qs.data() + r * D, keys, D));
+          for (int64_t t = 0; t < 8; ++t)
+            if (t >= jn || (mr && !mr[t])) {
+              sr[t] = ninf;
+            } else {
+              last = std::max(last, j0 + t);
+            }
         }
-        if (any) last = j;
       }
       const int64_t jend = (last + 8) / 8 * 8;  // whole vectors past the last key: -inf
       for (int64_t r = 0; r < rn; ++r)
@@ -241,12 +328,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           vsum = _mm256_add_ps(vsum, e);
         }
         const float inv = 1.f / hadd(vsum);
-        for (int64_t j = 0; j <= last; ++j) {
-          if (sr[j] == 0.f) continue;
-          const float pj = sr[j] * inv;
-          const float* vj = vv + j * vl;
-          for (int64_t e = 0; e < D; ++e) orow[e] += pj * vj[e];
-        }
+        weighted_sum(sr, last + 1, inv, vv, vl, D, orow);
       }
     }
   });

@@ -1,0 +1,218 @@
+// bf16 matrix product on Intel AMX tiles, for few to many rows (one-token steps, verify blocks,
+// batched decoding).
+//
+// y[M, N] = bf16(x)[M, K] @ w[N, K]^T (+ b[N]); x, y, b fp32; w bf16, repacked once. Activations
+// are rounded to bf16 (nearest even) on the way in, products accumulate in fp32 in the tiles.
+// A tile multiply (TDPBF16PS) does 16 x 16 x 32 multiply-adds at once, so up to 16 rows cost
+// what one row costs: the product is bound by reading w (bf16: half the bytes of fp32) until M
+// is in the dozens. Each output row depends only on its own input row, whatever M is.
+//
+// Layout: w is repacked into blocks of 16 outputs x 32 inputs in the tiles' pair-interleaved
+// ("VNNI") order, 1 KiB a block, one tile load each; 4 blocks of outputs make a group, and a
+// group's blocks are interleaved by input block: P[group][kb][4][16 input pairs][16 outputs][2]
+// (outputs padded with zeros to groups of 64). Each thread owns a range of groups and reads its
+// weights as one sequential stream (4 accumulator tiles, one activation tile shared by all
+// four), rows of x in chunks of 16.
+//
+// AMX needs the kernel's permission per process (arch_prctl ARCH_REQ_XCOMP_PERM); where it is
+// refused (no AMX, an old kernel) `bf16amx_pack` raises and the format is simply absent. The
+// AMX code is compiled for its own target, so the rest of the extension runs on AVX2-only CPUs.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TN = 16;  // outputs per block (tile columns of C, 16 fp32)
+constexpr int64_t TK = 32;  // inputs per block (tile row of A: 32 bf16 = 64 bytes)
+constexpr int64_t TM = 16;  // rows of x per tile
+constexpr int NB = 2;       // output blocks per pass (accumulator tiles)
+constexpr int64_t PF = 8;   // prefetch distance, in input blocks
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-1 accumulators C[rows][16 fp32], 2-3 activations A[rows][32 bf16], 4-7 weights B.
+__attribute__((target("amx-tile,amx-bf16"))) void configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 4; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // gcc's _tile_loadconfig tells the compiler it reads 8 bytes only: without this barrier the
+  // stores to the rest of cfg can be dropped (and ldtilecfg faults on garbage)
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [m0, m0 + rows) against the NB = 2 output blocks of group g: C into out[2][rows][16].
+// A group's blocks lie interleaved by kb, so the pass reads one sequential stream of weights,
+// prefetched PF input blocks ahead into L2; two input blocks per iteration use separate tiles
+// (A: 2, 3; B: 4-7), so no load waits for the multiply before it to release its tile.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const uint16_t* xa, int64_t Kp,
+                                                             const uint16_t* P, int64_t kb_n,
+                                                             int64_t g, float* out) {
+  constexpr int64_t BLK = TK * TN;  // bf16 per packed block (1 KiB)
+  constexpr int64_t STEP = NB * BLK;
+  const uint16_t* p = P + g * kb_n * STEP;
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t kb = 0;
+  for (; kb + 2 <= kb_n; kb += 2, p += 2 * STEP) {
+    for (int l = 0; l < 2 * STEP * 2; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + PF * STEP) + l, _MM_HINT_T1);
+    _tile_loadd(2, xa + kb * TK, Kp * 2);
+    _tile_loadd(4, p, 64);
+    _tile_loadd(5, p + BLK, 64);
+    _tile_loadd(3, xa + (kb + 1) * TK, Kp * 2);
+    _tile_loadd(6, p + STEP, 64);
+    _tile_loadd(7, p + STEP + BLK, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 3, 7);
+  }
+  if (kb < kb_n) {
+    _tile_loadd(2, xa + kb * TK, Kp * 2);
+    _tile_loadd(4, p, 64);
+    _tile_loadd(5, p + BLK, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+  }
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + TM * TN, 64);
+}
+
+__attribute__((target("amx-tile"))) void release() { _tile_release(); }
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// x[0, n) -> bf16 (nearest even), 16 at a time with AVX512-BF16 (every AMX CPU has it)
+__attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_row(const float* x, uint16_t* y,
+                                                                       int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = to_bf16(x[i]);
+}
+
+}  // namespace
+
+torch::Tensor amx_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w must be [N, K] bfloat16");
+  TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process (no AMX, or the OS refused)");
+  const auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  const int64_t ng = (N + NB * TN - 1) / (NB * TN), kb_n = (K + TK - 1) / TK;
+  auto P = torch::zeros({ng, kb_n, NB, TK / 2, TN, 2}, wc.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(P.data_ptr<at::BFloat16>());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t blk = ((n / (NB * TN)) * kb_n + k / TK) * NB + (n / TN) % NB, kk = k % TK;
+      dst[blk * TK * TN + (kk / 2) * TN * 2 + (n % TN) * 2 + kk % 2] = src[n * K + k];
+    }
+  return P;
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                         const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(P.dim() == 6 && P.scalar_type() == torch::kBFloat16 && P.is_contiguous() &&
+                  P.size(2) == NB && P.size(3) == TK / 2 && P.size(4) == TN &&
+                  P.size(0) * NB * TN >= N &&
+                  P.size(1) * TK >= x.size(1) && (P.size(1) - 1) * TK < x.size(1),
+              "P must come from bf16amx_pack for this K and N");
+  TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), groups = P.size(0), kb_n = P.size(1);
+  const int64_t Kp = kb_n * TK;
+  // x in bf16, K padded with zeros to whole tiles: [M, Kp] (a buffer kept per calling thread)
+  thread_local std::vector<uint16_t> xa;
+  if (xa.size() < static_cast<size_t>(M * Kp)) xa.resize(M * Kp);
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    to_bf16_row(xp + m * K, xa.data() + m * Kp, K);
+    std::fill(xa.data() + m * Kp + K, xa.data() + (m + 1) * Kp, 0);
+  }
+  const uint16_t* xab = xa.data();  // the lambda runs on other threads: not their thread_local
+  auto y = torch::empty({M, N}, xc.options());
+  float* yp = y.data_ptr<float>();
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+  const float* bp = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bc.numel() == N, "bias must have N entries");
+    bp = bc.data_ptr<float>();
+  }
+  // groups of NB blocks are the unit of work; a thread takes a contiguous range of them
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float out[NB * TM * TN];
+    int configured = -1;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * NB;
+      // every chunk of rows against this group while its weights are still in L2
+      for (int64_t m0 = 0; m0 < M; m0 += TM) {
+        const int rows = static_cast<int>(std::min<int64_t>(TM, M - m0));
+        if (rows != configured) {
+          configure(rows);
+          configured = rows;
+        }
+        tile_pass(xab + m0 * Kp, Kp, pp, kb_n, g, out);
+        for (int64_t j = 0; j < NB && (b + j) * TN < N; ++j)
+          for (int r = 0; r < rows; ++r) {
+            const float* src = out + j * TM * TN + r * TN;
+            float* dst = yp + (m0 + r) * N + (b + j) * TN;
+            const int64_t cols = std::min<int64_t>(TN, N - (b + j) * TN);
+            if (bp)
+              for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bp[(b + j) * TN + c];
+            else
+              std::memcpy(dst, src, cols * sizeof(float));
+          }
+      }
+    }
+    if (configured >= 0) release();
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("bf16amx_pack(Tensor w) -> Tensor");
+  m.def("bf16amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
+  m.impl("bf16amx_pack", &amx_pack);
+  m.impl("bf16amx_linear", &amx_linear);
+}
