@@ -4,11 +4,15 @@ Contract:
 - `Engine(decoder, max_batch, max_model_len, max_queue)` reserves the decoder's cache once
   (`max_batch` slots of `max_model_len` tokens) and turns on chunked prefill. `start()` runs the
   step loop in a background thread; requests join and leave between steps.
-- `submit(request, sink)` is thread-safe. It raises `SpecDecodeError` for a request the model
-  cannot serve (the caller's 4xx), `QueueFull` when `max_batch + max_queue` requests are already
-  in flight, and `EngineClosed` after `shutdown()` began. Otherwise the engine thread calls
+- `submit(request, sink, client=None)` is thread-safe. It raises `SpecDecodeError` for a request
+  the model cannot serve (the caller's 4xx), `QueueFull` when `max_batch + max_queue` requests are
+  already in flight, and `EngineClosed` after `shutdown()` began. Otherwise the engine thread calls
   `sink(EngineEvent)` for every step that produced text, and exactly once with
   `event.finished` true: the result, or `error` ("cancelled" after `abort`, or what failed).
+- Admission is fair between clients: waiting requests queue per `client` (the server passes the
+  connection; None: the request is a client of its own) and a free slot goes to the clients in
+  turn (round robin), so one client's many choices or requests never stand in front of another
+  client's next request. The decoder is handed no more requests than it has free slots.
 - `abort(request_id)` is thread-safe and idempotent; between steps the request leaves its slot
   (or the queue) and its sink gets the final cancelled event.
 - `shutdown(grace_s)` refuses new requests, lets in-flight ones finish for up to `grace_s`,
@@ -26,7 +30,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from specdecode.decode import GenerationRequest, GenerationResult, SpeculativeDecoder
@@ -64,6 +69,7 @@ class _Inflight:
     sink: Callable[[EngineEvent], None]
     t_submit: float
     prompt_tokens: int
+    client: Hashable = None
     first_token: bool = False
 
 
@@ -105,7 +111,10 @@ class Engine:
         self.metrics.gauge_fn("specdecode_running_requests", lambda: self.decoder.num_active)
         self.metrics.gauge_fn("specdecode_free_slots", lambda: self.decoder.num_free_slots)
         self._cond = threading.Condition()
-        self._adds: list[GenerationRequest] = []
+        self._adds: list[tuple[Hashable, GenerationRequest]] = []
+        # client -> its waiting requests, in turn order (engine thread only)
+        self._queues: OrderedDict[Hashable, deque[GenerationRequest]] = OrderedDict()
+        self._num_queued = 0
         self._aborts: list[str] = []
         self._inflight: dict[str, _Inflight] = {}
         self._closing = self._stop = False
@@ -118,7 +127,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.decoder.num_waiting + len(self._adds)
+        return self.decoder.num_waiting + len(self._adds) + self._num_queued
 
     @property
     def closing(self) -> bool:
@@ -130,7 +139,9 @@ class Engine:
             self._thread.start()
         return self
 
-    def submit(self, req: GenerationRequest, sink: Callable[[EngineEvent], None]) -> None:
+    def submit(
+        self, req: GenerationRequest, sink: Callable[[EngineEvent], None], client: Hashable = None
+    ) -> None:
         self.decoder.check_request(req)  # pure validation: safe from any thread
         with self._cond:
             if self._closing:
@@ -142,8 +153,9 @@ class Engine:
                     f"the server is at capacity ({self.max_batch} running + {self.max_queue} queued "
                     "requests); retry later"
                 )
-            self._inflight[req.id] = _Inflight(sink, time.perf_counter(), len(req.prompt_ids))
-            self._adds.append(req)
+            client = ("request", req.id) if client is None else client
+            self._inflight[req.id] = _Inflight(sink, time.perf_counter(), len(req.prompt_ids), client)
+            self._adds.append((client, req))
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
@@ -199,21 +211,25 @@ class Engine:
         while True:
             with self._cond:
                 while not (
-                    self._adds or self._aborts or self._stop or self._closing or self.decoder.has_unfinished()
+                    self._adds
+                    or self._aborts
+                    or self._stop
+                    or self._closing
+                    or self._queues
+                    or self.decoder.has_unfinished()
                 ):
                     self._cond.wait()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
                 stop = self._stop
-            for req in adds:
-                try:
-                    self.decoder.add_request(req)
-                    self.metrics.inc("specdecode_prompt_tokens_total", len(req.prompt_ids))
-                except SpecDecodeError as e:
-                    self._finish(req.id, error=str(e))
+            for client, req in adds:
+                self._queues.setdefault(client, deque()).append(req)
+                self._num_queued += 1
             for rid in aborts:
-                self.decoder.abort(rid)
+                if not self._unqueue(rid):
+                    self.decoder.abort(rid)
                 self._finish(rid, error="cancelled")
+            self._admit()
             if stop:
                 for rid in self.decoder.abort_all():
                     self._finish(rid, error="cancelled: the server shut down")
@@ -223,6 +239,35 @@ class Engine:
                     time.sleep(0.01)  # shutdown() is about to set _stop
                 continue
             self._step()
+
+    def _unqueue(self, rid: str) -> bool:
+        """Drop a request still waiting in its client's queue; False if it is not there."""
+        info = self._inflight.get(rid)
+        queue = self._queues.get(info.client) if info is not None else None
+        for req in queue or ():
+            if req.id == rid:
+                queue.remove(req)
+                self._num_queued -= 1
+                if not queue:
+                    del self._queues[info.client]
+                return True
+        return False
+
+    def _admit(self) -> None:
+        """Hand the decoder as many waiting requests as it has free slots, one per client in turn."""
+        while self._queues and self.decoder.num_active + self.decoder.num_waiting < self.max_batch:
+            client, queue = next(iter(self._queues.items()))
+            req = queue.popleft()
+            self._num_queued -= 1
+            if queue:
+                self._queues.move_to_end(client)  # its next request waits for the others' turn
+            else:
+                del self._queues[client]
+            try:
+                self.decoder.add_request(req)
+                self.metrics.inc("specdecode_prompt_tokens_total", len(req.prompt_ids))
+            except SpecDecodeError as e:
+                self._finish(req.id, error=str(e))
 
     def _step(self) -> None:
         t0 = time.perf_counter()

@@ -9,7 +9,8 @@ Contract:
 - Per request, cheapest first: body size (`ServerLimits.max_body_bytes`, 8 MiB) and body time
   (`body_timeout_s`) while the body streams in, chunked or not (413 / 408 as soon as a limit is
   passed, nothing more read, connection closed); JSON and parameters (pydantic);
-  `protocol.precheck`; then tokenization in a small thread pool off the event loop; the engine.
+  `protocol.precheck`; then tokenization in a small thread pool off the event loop; the engine,
+  whose admission takes the connection as the client to be fair to (round robin between them).
 - Errors are OpenAI error bodies: malformed JSON (also too deep or a number too long), wrong types
   and impossible values 400, unknown model or route 404, wrong method 405, slow body 408, large
   body 413, queue full 429, shutting down 503, a failure while decoding 500. Their messages never
@@ -194,9 +195,11 @@ def create_app(
             loop.call_soon_threadsafe(queue.put_nowait, ev)
 
         ids: list[str] = []
+        conn = request.client  # fairness unit: the connection (host, port); None in some test clients
+        client = ("connection", conn.host, conn.port) if conn else ("request", parsed.id)
         try:
             for req in parsed.requests:
-                engine.submit(req, sink)
+                engine.submit(req, sink, client)
                 ids.append(req.id)
         except (QueueFull, EngineClosed, SpecDecodeError) as e:
             for rid in ids:

@@ -239,3 +239,50 @@ def test_one_failing_request_ends_alone_in_the_engine(tiny, monkeypatch):
         assert engine.decoder.num_free_slots == 4
     finally:
         engine.shutdown(grace_s=1)
+
+
+def test_admission_takes_clients_in_turn(tiny):
+    """One client's burst does not stand in front of another client's request: with one slot,
+    a (client a, three requests), then (client b, one request) are admitted a, b, a, a."""
+    engine = _engine(tiny, max_batch=1)  # not started: all four wait before the first step
+    tok, done, sinks = tiny.tokenizer, [], {}
+
+    def sink(rid):
+        def put(ev):
+            if ev.finished:
+                done.append(rid)
+            sinks[rid](ev)
+
+        return put
+
+    for rid, client in [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b")]:
+        sinks[rid] = Collector()
+        engine.submit(_req(tok, "hello", n=2, rid=rid), sink(rid), client=client)
+    assert engine.num_waiting == 4
+    engine.start()
+    for s in sinks.values():
+        s.wait()
+    assert done == ["a1", "b1", "a2", "a3"]  # FIFO would have been a1, a2, a3, b1
+    _wait_idle(engine)
+    assert engine.num_waiting == 0 and engine.decoder.num_free_slots == 1
+    engine.shutdown(grace_s=1)
+
+
+def test_abort_of_a_request_waiting_for_its_turn(tiny, monkeypatch):
+    engine = _engine(tiny, max_batch=1, policy=FixedK(0)).start()
+    _slow(monkeypatch, engine)
+    try:
+        first, queued = Collector(), Collector()
+        engine.submit(_req(tiny.tokenizer, "hello world", n=200, rid="run"), first, client="a")
+        first.q.get(timeout=10)  # holds the only slot
+        engine.submit(_req(tiny.tokenizer, "hello", n=4, rid="wait"), queued, client="b")
+        assert engine.num_waiting == 1
+        engine.abort("wait")
+        assert queued.wait()[2].error == "cancelled"
+        assert engine.num_waiting == 0
+        engine.abort("run")
+        assert first.wait()[2].error == "cancelled"
+        _wait_idle(engine)
+        assert engine.decoder.num_free_slots == 1
+    finally:
+        engine.shutdown(grace_s=1)
