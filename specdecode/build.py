@@ -16,10 +16,14 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from specdecode.assets import cache_dir
 from specdecode.chat import PromptItem, derive_seed, encode_prompt, parse_item
@@ -29,7 +33,7 @@ from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import detect_layout, write_native
 from specdecode.models.loader import load_model
-from specdecode.policy import StepCostModel, make_policy, step_costs
+from specdecode.policy import FixedK, StepCostModel, make_policy, step_costs
 
 DEFAULT_TARGET = "smollm2-135m"
 # The policies that time a target step (and a draft token) to choose K.
@@ -166,6 +170,59 @@ def native_drafter(spec: str | None, target) -> str | None:
     return str(out)
 
 
+CALIBRATION_TEXT = (
+    "Write a Python function that returns the n-th Fibonacci number, then explain how it works "
+    "and what its running time is."
+)
+
+
+@torch.inference_mode()
+def _round_seconds(tgt, drf, k: int, tokens: int = 24) -> float:
+    """Drafting seconds per round of a greedy run that always drafts k (best of two runs)."""
+    dec = SpeculativeDecoder(tgt, drf, FixedK(k), max_batch=1)
+    ids = tgt.tokenizer.encode(CALIBRATION_TEXT)
+    req = GenerationRequest(prompt_ids=ids, params=SamplingParams(temperature=0.0), max_new_tokens=tokens,
+                            ignore_eos=True)  # fmt: skip
+    dec.generate([req])  # warm-up
+    best = float("inf")
+    for _ in range(2):  # the faster of two runs: interference only adds time
+        dec.draft_time = 0.0
+        res = dec.generate([req])[0]
+        best = min(best, dec.draft_time / max(res.num_steps, 1))
+    return best
+
+
+def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
+    """(fixed, per token) seconds of a learned drafter's round: round(K) ~ fixed + K * per_token.
+
+    Timed once per machine on a short greedy run at K = 1 and K = k (catch-up on committed
+    context included, as in a real round) and cached under `<cache_dir>/profiles/`, keyed by
+    the drafter's architecture (method, class, parameter count and dtype), the target and the
+    machine, so later runs make the same draft-length decisions.
+    """
+    nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
+    params = sum(p.numel() for m in nets for p in m.parameters())
+    dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
+    ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k),
+             torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]  # fmt: skip
+    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    path = cache_dir() / "profiles" / f"draft-{key}.json"
+    try:
+        rec = json.loads(path.read_text())
+        return rec["fixed_s"], rec["per_token_s"]
+    except (OSError, ValueError, KeyError):
+        pass
+    one = _round_seconds(tgt, drf, 1)
+    full = _round_seconds(tgt, drf, k) if k > 1 else one
+    per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
+    fixed = max(one - per_token, 0.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}))
+    os.replace(tmp, path)
+    return fixed, per_token
+
+
 def build(options: LoadOptions) -> SpecDecode:
     """Load (or take) the target, build the drafter and the policy, and pair them."""
     o = options
@@ -173,13 +230,15 @@ def build(options: LoadOptions) -> SpecDecode:
     spec = native_drafter(o.drafter, tgt)
     drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k
-    verify_cost, draft_cost, step_cost = 0.03, drf.cost_per_token, None
+    verify_cost, draft_cost, draft_fixed, step_cost = 0.03, drf.cost_per_token, 0.0, None
     if o.policy in _MEASURED_POLICIES and k > 0:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
         costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
         verify_cost = [c / costs[0] for c in costs]
         if drf.model is not None:  # a draft model: time its step too
             draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
+        elif o.policy == "adaptive" and drf.cost_per_token > 0:  # a learned drafter: time its rounds
+            draft_fixed, draft_cost = (c / costs[0] for c in drafter_round_costs(tgt, drf, o.method, k))
     if o.policy in _SCHEDULED_POLICIES:
         if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)
             max_context = o.max_model_len or tgt.model.info.max_position
@@ -188,6 +247,12 @@ def build(options: LoadOptions) -> SpecDecode:
             step_cost = StepCostModel.flat()
     # The scheduled policies correct the profile and the drafting cost from the steps they see.
     pol = make_policy(
-        o.policy, k, draft_cost=draft_cost, verify_cost=verify_cost, step_cost=step_cost, online=True
+        o.policy,
+        k,
+        draft_cost=draft_cost,
+        verify_cost=verify_cost,
+        step_cost=step_cost,
+        online=True,
+        draft_fixed=draft_fixed,
     )
     return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

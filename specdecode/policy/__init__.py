@@ -41,13 +41,15 @@ def make_policy(
     verify_cost: float | Sequence[float] = 0.03,
     step_cost=None,
     online: bool = False,
+    draft_fixed: float = 0.0,
 ) -> DraftPolicy:
     """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
-    online: the scheduled policies correct that profile and the drafting cost from measured steps."""
+    online: the scheduled policies correct that profile and the drafting cost from measured steps;
+    draft_fixed: a drafting round's cost beyond its per-token cost (adaptive policy)."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
-        return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost)
+        return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost, draft_fixed=draft_fixed)
     if name in ("scheduled", "scheduled-production"):
         if step_cost is None:
             raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")

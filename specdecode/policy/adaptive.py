@@ -2,10 +2,12 @@
 
 Contract: it estimates the request's per-token acceptance rate alpha (decayed counts) and picks
 the K in [0, K_max] that maximises the expected speed-up
-    E[tau](K) / (verify_cost[K] + K * draft_cost),
+    E[tau](K) / (verify_cost[K] + [K > 0] * draft_fixed + K * draft_cost),
 with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (docs/methods.md, "Speculative sampling"),
 verify_cost[K] the cost of a target forward of K+1 tokens relative to one token (measured:
-`profile.py`), and draft_cost the cost of one draft token relative to a target step. When
+`profile.py`), draft_cost the cost of one draft token and draft_fixed what a drafting round
+costs beyond its tokens (a block drafter's one forward, catching up on committed context),
+both relative to a target step (measured once per machine for learned drafters: `build.py`). When
 acceptance is poor it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing
 off) so it can recover when the text becomes predictable again. Where the measured costs say that
 even perfect acceptance would not pay, it never drafts. Decisions depend only on the request's
@@ -31,6 +33,7 @@ class AdaptiveK(DraftPolicy):
         verify_cost: float | Sequence[float] = 0.03,
         decay: float = 0.9,
         probe_every: int = 8,
+        draft_fixed: float = 0.0,
     ):
         """verify_cost: relative cost per extra verified token, or the measured curve
         [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens."""
@@ -44,18 +47,19 @@ class AdaptiveK(DraftPolicy):
                 raise ValueError(
                     f"verify_cost needs {k_max + 1} entries (n = 1..K+1), got {len(self.verify_cost)}"
                 )
-        self.k_max, self.draft_cost = k_max, draft_cost
+        self.k_max, self.draft_cost, self.draft_fixed = k_max, draft_cost, draft_fixed
         self.decay, self.probe_every = decay, probe_every
         # If even perfect acceptance cannot pay for drafting on this machine, never draft (and
         # never probe): speculation is then exactly plain decoding plus nothing.
-        best_case = max((k + 1) / (self.verify_cost[k] + k * draft_cost) for k in range(k_max + 1))
+        best_case = max((k + 1) / self.round_cost(k) for k in range(k_max + 1))
         self.enabled = best_case > 1.0 + self.MIN_GAIN
 
+    def round_cost(self, k: int) -> float:
+        """A step that drafts k tokens, in target one-token steps."""
+        return self.verify_cost[k] + (self.draft_fixed if k > 0 else 0.0) + k * self.draft_cost
+
     def best_k(self, alpha: float) -> int:
-        speedups = [
-            expected_tau(alpha, k) / (self.verify_cost[k] + k * self.draft_cost)
-            for k in range(self.k_max + 1)
-        ]
+        speedups = [expected_tau(alpha, k) / self.round_cost(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
 
     def choose(self, states: list[PolicyState]) -> list[int]:

@@ -49,3 +49,13 @@ def test_adaptive_never_drafts_when_even_perfect_acceptance_cannot_pay():
     assert all(pol.choose([st]) == [0] for _ in range(100))
     # The same drafter with nearly free verification (AMX / GPU) drafts.
     assert AdaptiveK(k_max=4, draft_cost=0.35, verify_cost=[1.0, 1.05, 1.1, 1.15, 1.2]).enabled
+
+
+def test_a_fixed_round_cost_raises_the_acceptance_drafting_needs():
+    # verify is nearly free; a drafting round costs 0.3 step whatever K: at alpha 0.2 drafting
+    # pays without the fixed cost and does not with it
+    flat = [1.0, 1.02, 1.04, 1.06, 1.08]
+    assert AdaptiveK(k_max=4, draft_cost=0.02, verify_cost=flat).best_k(0.2) > 0
+    pol = AdaptiveK(k_max=4, draft_cost=0.02, verify_cost=flat, draft_fixed=0.3)
+    assert pol.best_k(0.2) == 0 and pol.round_cost(2) == 1.04 + 0.3 + 0.04
+    assert pol.best_k(0.9) == 4  # a predictable text still drafts the most
