@@ -203,8 +203,8 @@ def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
     nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
     params = sum(p.numel() for m in nets for p in m.parameters())
     dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
-    ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k),
-             torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]  # fmt: skip
+    ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k)]
+    ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
     path = cache_dir() / "profiles" / f"draft-{key}.json"
     try:
@@ -218,7 +218,8 @@ def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
     fixed = max(one - per_token, 0.0)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}))
+    rec = {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}
+    tmp.write_text(json.dumps(rec))
     os.replace(tmp, path)
     return fixed, per_token
 
