@@ -13,8 +13,9 @@ kind, against a server child process on 127.0.0.1, with valid traffic timed befo
    - oversized bodies (declared 9 MiB, chunked 16 MiB, a prompt over the context);
    - slow clients (a silent connection, a trickled request head, a trickled body);
    - disconnecting clients (mid-stream, and before a non-streamed answer).
-   Generated requests are made shorter (max_tokens <= 8, n <= 2) so that the run measures abuse,
-   not a heavier legitimate load.
+   Generated requests are made shorter (max_tokens <= 8, also when a completion asks for the
+   default 16; n <= 2; at most 2 prompts) so that the run measures abuse, not a heavier legitimate
+   load; the report states the load each phase carried (requests and tokens the engine decoded).
 3. After: the server must be alive and healthy, hold no request (running 0, queue 0, every slot
    free), have answered no 5xx (a 503 only for the connection limit or shutdown, a 429 for a full
    queue), and exit 0 on SIGINT. The report compares p50/p99 latency of the valid requests during
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -59,21 +61,29 @@ def _free_port() -> int:
 # ---- generated requests ---------------------------------------------------------------------
 def _shorten(body, url: str = ""):
     """Keep generated traffic light (it should exercise the server, not outweigh the valid load):
-    a valid max_tokens or n becomes small, an invalid one stays invalid; chat gets max_tokens 8
-    when it asks for none (the rest of the context)."""
+    a valid max_tokens or n becomes small, an invalid one stays invalid; a list of prompts keeps
+    two; chat gets max_tokens 8 when it asks for none (the rest of the context), a completion
+    max_tokens 8 when it asks for none (the default 16)."""
     if not isinstance(body, dict):
         return body
 
-    def valid_int(v, lo, hi):
-        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    def valid_int(v, lo, hi):  # the server takes 16.0 for 16 too
+        integral = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+        return integral and lo <= v <= hi
 
     for name in ("max_tokens", "max_completion_tokens"):
         if valid_int(body.get(name), 9, 1000):
-            body[name] = 1 + body[name] % 8
+            body[name] = 1 + int(body[name]) % 8
     if valid_int(body.get("n"), 3, 16):
-        body["n"] = 1 + body["n"] % 2
+        body["n"] = 1 + int(body["n"]) % 2
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 2 and not all(valid_int(t, 0, 2**31) for t in prompt):
+        body["prompt"] = prompt[:2]  # a list of prompts (not one prompt of token ids)
     if url.endswith("chat/completions") and body.get("max_tokens") is None:
-        body.setdefault("max_completion_tokens", 8)
+        if body.get("max_completion_tokens") is None:  # absent or null
+            body["max_completion_tokens"] = 8
+    if "prompt" in body and not url.endswith("chat/completions") and body.get("max_tokens") is None:
+        body["max_tokens"] = 8
     return body
 
 
@@ -366,10 +376,31 @@ async def _abuse(url, port, plan, clients, done: asyncio.Event):
 def _machine() -> str:
     load = os.getloadavg()
     top = subprocess.run(["ps", "-eo", "pcpu,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
-    busy = [line.strip()[:100] for line in top.splitlines()[1:6] if float(line.split()[0]) > 5.0]
+    lines = [line.strip() for line in top.splitlines()[1:6] if float(line.split()[0]) > 5.0]
+    busy = [re.sub(r"(?<!\S)/\S*/", "", line)[:100] for line in lines]  # no machine paths in the report
     return f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; busiest: " + (
         "; ".join(busy) or "none"
     )
+
+
+LOAD = {  # what the engine decoded in a phase: server counters, differenced
+    "requests": "specdecode_requests_total",
+    "prompt_tokens": "specdecode_prompt_tokens_total",
+    "generated_tokens": "specdecode_generation_tokens_total",
+    "steps": "specdecode_steps_total",
+    "verify_rows": "specdecode_verify_rows_total",
+}
+
+
+def _load(before: dict, after: dict, wall_s: float) -> dict:
+    def total(m, name):  # a counter summed over its labels
+        return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+    out = {k: total(after, n) - total(before, n) for k, n in LOAD.items()}
+    out["wall_s"] = wall_s
+    out["rows_per_step"] = out["verify_rows"] / out["steps"] if out["steps"] else 0.0
+    out["generated_tok_per_s"] = out["generated_tokens"] / wall_s if wall_s else 0.0
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -419,9 +450,10 @@ def main() -> int:
         random.Random(a.seed).shuffle(plan)
         # 2. quiet phase (after a warm-up), then the same valid traffic during the abuse
         asyncio.run(_valid_traffic(srv.url, prompts, a.valid_clients, 2 * a.valid_clients))
-        t0 = time.perf_counter()
+        m0, t0 = scrape(srv.url), time.perf_counter()
         quiet = asyncio.run(_valid_traffic(srv.url, prompts, a.valid_clients, a.valid_requests))
         quiet_s = time.perf_counter() - t0
+        m1 = scrape(srv.url)
 
         async def abuse_phase():
             done = asyncio.Event()
@@ -434,6 +466,7 @@ def main() -> int:
         t0 = time.perf_counter()
         during, statuses, problems = asyncio.run(abuse_phase())
         abuse_s = time.perf_counter() - t0
+        m2 = scrape(srv.url)  # abuse requests still decoding finish in the drain below
         # 3. drain, then check that nothing holds a slot and the server still answers
         deadline, health = time.time() + 60, {}
         while time.time() < deadline:
@@ -442,7 +475,9 @@ def main() -> int:
                 break
             time.sleep(0.5)
         # the same valid traffic once more, quiet: shows how much the machine itself drifted
+        m3, t0 = scrape(srv.url), time.perf_counter()
         after = asyncio.run(_valid_traffic(srv.url, prompts, a.valid_clients, a.valid_requests))
+        after_s = time.perf_counter() - t0
         metrics = scrape(srv.url)
         alive = srv.alive()
     machine_after = _machine()
@@ -458,8 +493,14 @@ def main() -> int:
     fives_valid = sum(1 for x in during + quiet if x != x)
     q50, q99, d50, d99 = _pct(quiet, 0.5), _pct(quiet, 0.99), _pct(during, 0.5), _pct(during, 0.99)
     a50, a99 = _pct(after, 0.5), _pct(after, 0.99)
+    load = {
+        "quiet": _load(m0, m1, quiet_s),
+        "abuse": _load(m1, m2, abuse_s),
+        "quiet_after": _load(m3, metrics, after_s),
+    }
     results = {
         "settings": vars(a),
+        "load": load,
         "generation_s": gen_s,
         "quiet": {"wall_s": quiet_s, "latencies_s": quiet},
         "abuse": {"wall_s": abuse_s, "valid_latencies_s": during},
@@ -502,6 +543,18 @@ def main() -> int:
         f"- valid request latency (chat, 16 tokens, greedy), quiet before / during abuse / quiet after: "
         f"p50 {q50:.2f} / {d50:.2f} / {a50:.2f} s, p99 {q99:.2f} / {d99:.2f} / {a99:.2f} s (p99 during abuse "
         f"over the larger quiet p99: {ratio:.2f}; goal <= 2)",
+        "- load each phase carried (what the engine decoded, from its counters; timed valid requests: "
+        "16 tokens each), quiet before / during abuse / quiet after: "
+        + "; ".join(
+            f"{ph} {L['requests']:.0f} requests ({n} timed), {L['generated_tokens']:.0f} tokens generated "
+            f"in {L['wall_s']:.0f} s ({L['generated_tok_per_s']:.1f} tok/s), {L['prompt_tokens']:.0f} prompt "
+            f"tokens, {L['rows_per_step']:.1f} requests per decode step"
+            for ph, L, n in [
+                ("quiet before", load["quiet"], len(quiet)),
+                ("during abuse", load["abuse"], len(during)),
+                ("quiet after", load["quiet_after"], len(after)),
+            ]
+        ),
         "- requests finished by outcome (server metrics): "
         + ", ".join(
             f"{k.split('outcome=')[1][1:-2]} {v:.0f}" for k, v in metrics.items() if "requests_total{" in k
