@@ -414,7 +414,7 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--method", default="ngram")
     ap.add_argument("--policy", default="scheduled")
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-queue", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
