@@ -24,8 +24,11 @@ Contract:
   differ by rounding only (like bf16 batch effects). `act_dtype` is the dtype activations and
   the KV cache use: bf16 when every kernel of the plan computes in bf16, else fp32.
 * `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
-  matrix shapes (random weights, several layers so they do not fit in cache), picks the fastest
-  kernel per bucket, and caches the measurement and the plan as JSON under
+  matrix shapes (random weights, several layers so they do not fit in cache), picks the
+  kernel per bucket from as few kernels as possible, at most two (each holds its own copy of
+  the weights: a kernel already in the plan serves a bucket where it is within 10 % of the
+  fastest), and
+  caches the measurement and the plan as JSON under
   `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count, the
   shapes and the sources of our own kernels. No CPU flag is read to decide: a kernel that is
   slow or refused here loses.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -54,6 +58,8 @@ FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
+PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
+MAX_COPIES = 2  # kernels (copies of every weight) in one plan: a 1.5B model's bf16 copy is 3 GB
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -324,15 +330,48 @@ def measure_kernels(
     return out
 
 
-def plan_from_profile(profile: dict[str, list[float | None]]) -> FormatPlan:
-    """The fastest kernel per bucket."""
-    kernels = []
+def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLAN_SLACK) -> FormatPlan:
+    """The fastest kernel per bucket, from as few kernels as possible.
+
+    Every distinct kernel in a plan holds its own copy of every weight, so a plan takes the
+    smallest set of kernels in which each bucket has one within `slack` of that bucket's
+    fastest (ties: the least total time), then the fastest of the set per bucket; never more
+    than `MAX_COPIES` kernels (if none that few cover every bucket within the slack: the set
+    of that size with the least total time).
+    """
+    best = []
     for bi in range(len(BUCKETS)):
-        timed = {k: v[bi] for k, v in profile.items() if v[bi] is not None}
+        timed = [v[bi] for v in profile.values() if v[bi] is not None]
         if not timed:
             raise SpecDecodeError("no weight format could be measured on this machine; pass --dtype fp32")
-        kernels.append(min(timed, key=timed.get))
-    return FormatPlan(tuple(kernels))
+        best.append(min(timed))
+    names = [k for k, v in profile.items() if any(t is not None for t in v)]
+
+    def pick(ks: tuple[str, ...], bi: int) -> str | None:
+        ok = [k for k in ks if profile[k][bi] is not None and profile[k][bi] <= best[bi] * slack]
+        return min(ok, key=lambda k: profile[k][bi]) if ok else None
+
+    for size in range(1, MAX_COPIES + 1):
+        plans = []
+        for ks in itertools.combinations(names, size):
+            chosen = [pick(ks, bi) for bi in range(len(BUCKETS))]
+            if None not in chosen:
+                plans.append((sum(profile[k][bi] for bi, k in enumerate(chosen)), tuple(chosen)))
+        if plans:
+            return FormatPlan(min(plans)[1])
+    # no MAX_COPIES kernels are within the slack everywhere: the fastest such set overall
+    plans = []
+    for ks in itertools.combinations(names, min(MAX_COPIES, len(names))):
+        chosen = [
+            pick(ks, bi) or min(ks, key=lambda k, b=bi: _or_inf(profile[k][b])) for bi in range(len(BUCKETS))
+        ]
+        if all(profile[k][bi] is not None for bi, k in enumerate(chosen)):
+            plans.append((sum(profile[k][bi] for bi, k in enumerate(chosen)), tuple(chosen)))
+    return FormatPlan(min(plans)[1])
+
+
+def _or_inf(t: float | None) -> float:
+    return float("inf") if t is None else t
 
 
 def auto_plan(
@@ -352,6 +391,7 @@ def auto_plan(
         str(num_layers),
         ",".join(AUTO_CANDIDATES),
         ",".join(map(str, BUCKETS)),
+        f"{PLAN_SLACK},{MAX_COPIES}",
         kernels.source_tag(),  # our kernels changed: time them again
     ]
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
