@@ -16,8 +16,9 @@ Contract:
   model.safetensors, loadable by the drafter) and `trainer.pt` (fp32 weights, optimiser,
   step, RNG) atomically; a rerun with the same out_dir resumes from `trainer.pt` and walks the
   same batches the killed run would have. Every `eval_every` steps it runs the real
-  speculative loop (greedy, fixed K) on held-out prompts and logs the served tau. Metrics go
-  to out_dir/log.jsonl and the progress bar.
+  speculative loop (greedy, fixed K) on held-out prompts and logs the served tau. Metrics
+  (losses, accuracies, gradient norm, training tokens/s over all ranks) go to
+  out_dir/log.jsonl and the progress bar.
 - Distributed: under torchrun (WORLD_SIZE > 1) it joins a process group (gloo on CPU, nccl on
   CUDA), wraps the module in DistributedDataParallel and gives rank r every world-th batch;
   rank 0 writes checkpoints, logs and evaluates.
@@ -243,8 +244,10 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)
         logs_acc: dict[str, float] = {}
+        tokens = 0  # real (unpadded) tokens this step, for the tokens/s figure
         for micro in range(cfg.grad_accum):
             batch = batch_at((step * cfg.grad_accum + micro) * world + rank)
+            tokens += int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
             feats = {k: v.to(dev) for k, v in features(batch).items()}
             batch = {k: v.to(dev) for k, v in batch.items()}
             sync = world == 1 or micro == cfg.grad_accum - 1
@@ -264,6 +267,7 @@ def train(
             "step": step,
             "lr": lr_at(step - 1, cfg),
             "grad_norm": round(float(gnorm), 4),
+            "tok_s": round(tokens * world / (time.perf_counter() - t0), 1),
             **{k: round(v, 4) for k, v in logs_acc.items()},
         }
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -47,6 +47,7 @@ def test_training_lowers_the_loss_and_serves_tau_above_one(trained, method):
         for r in steps
     ]
     assert kl[-1] < 0.8 * kl[0] and acc[-1] > acc[0]
+    assert all(r["tok_s"] > 0 for r in steps)  # training tokens/s is logged every time
     assert summary["eval_tau"] > 1.3
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["method"] == method and cfg["training"]["steps"] == 80 and cfg["training"]["final"]
