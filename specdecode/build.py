@@ -16,8 +16,6 @@ Contract:
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import detect_layout, write_native
 from specdecode.models.loader import load_model
-from specdecode.policy import FixedK, StepCostModel, make_policy, step_costs
+from specdecode.policy import FixedK, StepCostModel, draft_round_costs, make_policy, step_costs
 
 DEFAULT_TARGET = "smollm2-135m"
 # The policies that time a target step (and a draft token) to choose K.
@@ -193,35 +191,16 @@ def _round_seconds(tgt, drf, k: int, tokens: int = 24) -> float:
 
 
 def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
-    """(fixed, per token) seconds of a learned drafter's round: round(K) ~ fixed + K * per_token.
-
-    Timed once per machine on a short greedy run at K = 1 and K = k (catch-up on committed
-    context included, as in a real round) and cached under `<cache_dir>/profiles/`, keyed by
-    the drafter's architecture (method, class, parameter count and dtype), the target and the
-    machine, so later runs make the same draft-length decisions.
-    """
+    """(fixed, per token) seconds of a learned drafter's round (`policy.draft_round_costs`),
+    timed on short greedy runs (catch-up on committed context included, as in a real round) and
+    keyed by the drafter's architecture (method, class, parameter count, dtype), the target
+    and the machine."""
     nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
     params = sum(p.numel() for m in nets for p in m.parameters())
     dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
     ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k)]
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
-    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
-    path = cache_dir() / "profiles" / f"draft-{key}.json"
-    try:
-        rec = json.loads(path.read_text())
-        return rec["fixed_s"], rec["per_token_s"]
-    except (OSError, ValueError, KeyError):
-        pass
-    one = _round_seconds(tgt, drf, 1)
-    full = _round_seconds(tgt, drf, k) if k > 1 else one
-    per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
-    fixed = max(one - per_token, 0.0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    rec = {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, path)
-    return fixed, per_token
+    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n))
 
 
 def build(options: LoadOptions) -> SpecDecode:

@@ -121,38 +121,27 @@ def _onednn(dtype: torch.dtype):
     return prepare
 
 
-def _bf16w(w: torch.Tensor, b: torch.Tensor | None) -> Product:
-    ops = kernels.fused()
-    if ops is None:
-        raise RuntimeError(kernels.unavailable.get("cpu", "the bf16w kernel is unavailable"))
-    n = w.shape[0]
-    packed = ops.bf16w_pack(w.to(torch.bfloat16))  # [ceil(out/16), in, 16]
-    bb = None if b is None else b.float()
-    op = ops.bf16w_linear
+def _ours(kernel: str, pack: str, linear: str):
+    """One of our compiled products (`models/kernels`): the weight packed once by `ops.<pack>`,
+    fp32 x in and out (`ops.<linear>`), other dtypes converted around it."""
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the usual case: no conversion ops to dispatch
-            return op(x, packed, n, bb)
-        return op(x.float(), packed, n, bb).to(x.dtype)
+    def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
+        ops = kernels.fused()
+        if ops is None:
+            raise RuntimeError(kernels.unavailable.get("cpu", f"the {kernel} kernel is unavailable"))
+        n = w.shape[0]
+        packed = getattr(ops, pack)(w.to(torch.bfloat16))
+        bb = None if b is None else b.float()
+        op = getattr(ops, linear)
 
-    return _reads(fn, packed)
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype == torch.float32:  # the usual case: no conversion ops to dispatch
+                return op(x, packed, n, bb)
+            return op(x.float(), packed, n, bb).to(x.dtype)
 
+        return _reads(fn, packed)
 
-def _bf16amx(w: torch.Tensor, b: torch.Tensor | None) -> Product:
-    ops = kernels.fused()
-    if ops is None:
-        raise RuntimeError(kernels.unavailable.get("cpu", "the bf16-amx kernel is unavailable"))
-    n = w.shape[0]
-    packed = ops.bf16amx_pack(w.to(torch.bfloat16))  # [ceil(out/64), ceil(in/32), 4, 16, 16, 2]
-    bb = None if b is None else b.float()
-    op = ops.bf16amx_linear
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return op(x, packed, n, bb)
-        return op(x.float(), packed, n, bb).to(x.dtype)
-
-    return _reads(fn, packed)
+    return prepare
 
 
 def _int8(w: torch.Tensor, b: torch.Tensor | None) -> Product:
@@ -201,8 +190,9 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     "fp32-mkl": _mkl_fp32,
     "fp32-onednn": _onednn(torch.float32),
     "bf16-onednn": _onednn(torch.bfloat16),
-    "bf16w": _bf16w,
-    "bf16-amx": _bf16amx,
+    "bf16w": _ours("bf16w", "bf16w_pack", "bf16w_linear"),  # packed [ceil(out/16), in, 16]
+    # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
+    "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
     "int8": _int8,
     "int4": _int4,
 }
@@ -346,32 +336,19 @@ def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLA
             raise SpecDecodeError("no weight format could be measured on this machine; pass --dtype fp32")
         best.append(min(timed))
     names = [k for k, v in profile.items() if any(t is not None for t in v)]
-
-    def pick(ks: tuple[str, ...], bi: int) -> str | None:
-        ok = [k for k in ks if profile[k][bi] is not None and profile[k][bi] <= best[bi] * slack]
-        return min(ok, key=lambda k: profile[k][bi]) if ok else None
-
-    for size in range(1, MAX_COPIES + 1):
-        plans = []
+    ranked = []  # (outside the slack somewhere, kernels if not, total ms, plan)
+    for size in range(1, min(MAX_COPIES, len(names)) + 1):
         for ks in itertools.combinations(names, size):
-            chosen = [pick(ks, bi) for bi in range(len(BUCKETS))]
-            if None not in chosen:
-                plans.append((sum(profile[k][bi] for bi, k in enumerate(chosen)), tuple(chosen)))
-        if plans:
-            return FormatPlan(min(plans)[1])
-    # no MAX_COPIES kernels are within the slack everywhere: the fastest such set overall
-    plans = []
-    for ks in itertools.combinations(names, min(MAX_COPIES, len(names))):
-        chosen = [
-            pick(ks, bi) or min(ks, key=lambda k, b=bi: _or_inf(profile[k][b])) for bi in range(len(BUCKETS))
-        ]
-        if all(profile[k][bi] is not None for bi, k in enumerate(chosen)):
-            plans.append((sum(profile[k][bi] for bi, k in enumerate(chosen)), tuple(chosen)))
-    return FormatPlan(min(plans)[1])
-
-
-def _or_inf(t: float | None) -> float:
-    return float("inf") if t is None else t
+            chosen = []
+            for bi in range(len(BUCKETS)):
+                timed = [k for k in ks if profile[k][bi] is not None]
+                chosen.append(min(timed, key=lambda k, b=bi: profile[k][b]) if timed else None)
+            if None in chosen:
+                continue
+            loose = any(profile[k][bi] > best[bi] * slack for bi, k in enumerate(chosen))
+            total = sum(profile[k][bi] for bi, k in enumerate(chosen))
+            ranked.append((loose, 0 if loose else size, total, tuple(chosen)))
+    return FormatPlan(min(ranked)[3])
 
 
 def auto_plan(

@@ -14,7 +14,7 @@ from specdecode.policy.adaptive import AdaptiveK
 from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 from specdecode.policy.costs import StepCostModel
 from specdecode.policy.fixed import FixedK
-from specdecode.policy.profile import batch_step_costs, measure_step_costs, step_costs
+from specdecode.policy.profile import batch_step_costs, draft_round_costs, measure_step_costs, step_costs
 from specdecode.policy.scheduled import ScheduledK
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "PolicyState",
     "StepCostModel",
     "batch_step_costs",
+    "draft_round_costs",
     "expected_tau",
     "make_policy",
     "measure_step_costs",

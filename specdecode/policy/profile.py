@@ -10,6 +10,9 @@ Why: whether verifying K extra tokens is nearly free depends on the hardware. Wi
 GPU) a bf16 forward of 8 tokens costs about one of 1 token; on an AVX2-only CPU it costs ~5x.
 The adaptive draft-length policy reads these costs instead of assuming either.
 
+`draft_round_costs(ident, k, round_seconds)` is what a learned drafter's round costs (fixed +
+per token), timed once per drafter architecture, target and machine.
+
 `batch_step_costs(model, fingerprint, rows, blocks, contexts)` is the serving-time profile the
 DSpark-style scheduler reads (SPS, target steps per second): `times[c][r][b]` = seconds of one
 forward of `rows[r]` requests x `blocks[b]` new tokens each over `contexts[c]` committed tokens
@@ -24,7 +27,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -75,20 +78,51 @@ def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
 def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
     """Cached `measure_step_costs` (re-measured when more tokens are asked for)."""
     path = cache_dir() / "profiles" / f"{_key(model, fingerprint)}.json"
-    try:
-        costs = json.loads(path.read_text())["costs"]
-        if len(costs) >= max_tokens:
-            return costs[:max_tokens]
-    except (OSError, ValueError, KeyError):
-        pass
+    costs = _read(path).get("costs")
+    if isinstance(costs, list) and len(costs) >= max_tokens:
+        return costs[:max_tokens]
     costs = measure_step_costs(model, max_tokens)
+    _write(path, {"costs": costs, "dtype": str(model.info.dtype), "device": str(model.info.device)})
+    return costs
+
+
+def draft_round_costs(
+    ident: Sequence[str], k: int, round_seconds: Callable[[int], float]
+) -> tuple[float, float]:
+    """(fixed, per token) seconds of a drafting round: round(K) ~ fixed + K * per_token.
+
+    `round_seconds(K)` times rounds that draft K tokens; it runs at K = 1 and K = k once per
+    `ident` (what the cost depends on: the drafter's architecture, the target, the machine),
+    cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
+    """
+    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    path = cache_dir() / "profiles" / f"draft-{key}.json"
+    rec = _read(path)
+    if "fixed_s" in rec and "per_token_s" in rec:
+        return rec["fixed_s"], rec["per_token_s"]
+    one = round_seconds(1)
+    full = round_seconds(k) if k > 1 else one
+    per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
+    fixed = max(one - per_token, 0.0)
+    _write(path, {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full})
+    return fixed, per_token
+
+
+def _read(path) -> dict:
+    """A cached profile record, or {} when it is missing or unreadable."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _write(path, rec: dict) -> None:
+    """Write a profile record atomically (concurrent processes may measure the same thing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(
-        json.dumps({"costs": costs, "dtype": str(model.info.dtype), "device": str(model.info.device)})
-    )
+    tmp.write_text(json.dumps(rec))
     os.replace(tmp, path)
-    return costs
 
 
 def _sync(dev: torch.device) -> None:
@@ -159,15 +193,9 @@ def batch_step_costs(
     grid = f"v2|rows={list(rows)}|blocks={list(blocks)}|contexts={list(contexts)}"
     key = hashlib.sha256(f"{_key(model, fingerprint)}|{grid}".encode()).hexdigest()[:24]
     path = cache_dir() / "profiles" / f"batch-{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        if data.get("grid") == grid:
-            return data["times"]
-    except (OSError, ValueError, KeyError):
-        pass
+    data = _read(path)
+    if data.get("grid") == grid and "times" in data:
+        return data["times"]
     times = measure_batch_costs(model, rows, blocks, contexts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"grid": grid, "times": times, "dtype": str(model.info.dtype)}))
-    os.replace(tmp, path)
+    _write(path, {"grid": grid, "times": times, "dtype": str(model.info.dtype)})
     return times

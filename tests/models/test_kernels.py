@@ -19,23 +19,33 @@ def ops():
     return o
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
-@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576)])
-def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
+def _check_product(pack, linear, m, n, k, round_x, rows_alone):
+    """linear(x, pack(w), n, bias) against float64 x @ w.T (+ b), x passed through `round_x`,
+    with and without bias; each row in `rows_alone` rounds alike alone and in the whole block.
+    Returns (x, packed)."""
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen)
-    packed = ops.bf16w_pack(w)
-    ref = x.double() @ w.double().t()  # what fp32 arithmetic approximates
+    packed = pack(w)
+    ref = round_x(x).double() @ w.double().t()
     for bias in (b, None):
-        y = ops.bf16w_linear(x, packed, n, bias)
+        y = linear(x, packed, n, bias)
         assert y.dtype == torch.float32 and y.shape == (m, n)
         want = ref + b.double() if bias is not None else ref
         # fp32 accumulation of k terms: a bf16 product would be ~100x further off
         assert (y.double() - want).abs().max() < 1e-5 * k**0.5 * want.abs().max().clamp(min=1)
-    one = ops.bf16w_linear(x[-1:], packed, n, b)
-    assert torch.equal(one, ops.bf16w_linear(x, packed, n, b)[-1:])  # a row rounds alike alone
+    full = linear(x, packed, n, b)
+    for r in rows_alone:
+        assert torch.equal(linear(x[r : r + 1], packed, n, b), full[r : r + 1])
+    return x, packed
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576)])
+def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
+    # what fp32 arithmetic approximates: x as it is
+    _check_product(ops.bf16w_pack, ops.bf16w_linear, m, n, k, lambda x: x, rows_alone=(m - 1,))
 
 
 def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
@@ -62,20 +72,10 @@ def amx(ops):
 @pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 40])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (130, 576)])
 def test_bf16amx_is_the_product_of_bf16_inputs_accumulated_in_fp32(amx, m, n, k):
-    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
-    x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, generator=gen)
-    packed = amx.bf16amx_pack(w)
-    ref = x.to(torch.bfloat16).double() @ w.double().t()  # x rounded to bf16, exact products
-    for bias in (b, None):
-        y = amx.bf16amx_linear(x, packed, n, bias)
-        assert y.dtype == torch.float32 and y.shape == (m, n)
-        want = ref + b.double() if bias is not None else ref
-        assert (y.double() - want).abs().max() < 1e-5 * k**0.5 * want.abs().max().clamp(min=1)
-    full = amx.bf16amx_linear(x, packed, n, b)
-    for r in (0, m - 1):  # a row rounds alike alone and in any block of rows
-        assert torch.equal(amx.bf16amx_linear(x[r : r + 1], packed, n, b), full[r : r + 1])
+    # x rounded to bf16, exact products; first and last rows alone as in any block of rows
+    x, packed = _check_product(
+        amx.bf16amx_pack, amx.bf16amx_linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m - 1)
+    )
     if k > 64:  # x from another shape is refused (K is known to within one tile of 32)
         with pytest.raises(RuntimeError, match="bf16amx_pack"):
             amx.bf16amx_linear(x[:, : k // 2], packed, n, None)

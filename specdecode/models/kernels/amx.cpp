@@ -8,11 +8,11 @@
 // is in the dozens. Each output row depends only on its own input row, whatever M is.
 //
 // Layout: w is repacked into blocks of 16 outputs x 32 inputs in the tiles' pair-interleaved
-// ("VNNI") order, 1 KiB a block, one tile load each; 4 blocks of outputs make a group, and a
-// group's blocks are interleaved by input block: P[group][kb][4][16 input pairs][16 outputs][2]
-// (outputs padded with zeros to groups of 64). Each thread owns a range of groups and reads its
-// weights as one sequential stream (4 accumulator tiles, one activation tile shared by all
-// four), rows of x in chunks of 16.
+// ("VNNI") order, 1 KiB a block, one tile load each; 2 blocks of outputs make a group, and a
+// group's blocks are interleaved by input block: P[group][kb][2][16 input pairs][16 outputs][2]
+// (outputs padded with zeros to groups of 32). Each thread owns a range of groups and reads its
+// weights as one sequential stream (2 accumulator tiles, the activation tile shared by both),
+// rows of x in chunks of 16.
 //
 // AMX needs the kernel's permission per process (arch_prctl ARCH_REQ_XCOMP_PERM); where it is
 // refused (no AMX, an old kernel) `bf16amx_pack` raises and the format is simply absent. The
