@@ -41,8 +41,10 @@ def add_parsers(sub) -> None:
     t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
     m = t.add_argument_group("method-specific (defaults per method from the drafter registry)")
     for flag, dest, kind in _TASK_FLAGS:
-        if kind is bool:  # an on-switch; unset = the method's default
-            m.add_argument(flag, dest=dest, action="store_true", default=None, help=_per_method(dest))
+        if kind is bool:  # --x / --no-x; unset = the method's default
+            m.add_argument(
+                flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=_per_method(dest)
+            )
         else:
             m.add_argument(flag, dest=dest, type=kind, default=None, help=_per_method(dest))
     m.add_argument(
@@ -82,6 +84,17 @@ def add_parsers(sub) -> None:
     c.set_defaults(handler=calibrate)
 
 
+def mask_token_arg(text: str) -> int | str:
+    """--mask-token-id: a token id, 'auto' (the tokenizer's mask / unk / pad / eos token) or 'none'
+    (a learned mask vector: not exportable)."""
+    if text in ("auto", "none"):
+        return text  # _task_options turns 'none' into None once it is known to be given
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token id, 'auto' or 'none'") from None
+
+
 # CLI flag -> the training-task setting it sets (Method.train_options keys).
 _TASK_FLAGS = (
     ("--draft-vocab", "draft_vocab_size", int),
@@ -93,7 +106,7 @@ _TASK_FLAGS = (
     ("--num-anchors", "num_anchors", int),
     ("--markov-rank", "markov_rank", int),
     ("--qk-norm", "qk_norm", bool),  # dflash/dspark: per-head q/k RMSNorm (exportable, see export)
-    ("--mask-token-id", "mask_token_id", int),  # dflash/dspark: mask slots read this token's embedding
+    ("--mask-token-id", "mask_token_id", mask_token_arg),  # dflash/dspark: mask slots read its embedding
 )
 
 
@@ -106,6 +119,8 @@ def _task_options(a: argparse.Namespace) -> dict:
     record = trainable(a.method)
     defaults = record.train_options if record is not None else {}  # run_training refuses the rest
     kw = {k: v if getattr(a, k) is None else getattr(a, k) for k, v in defaults.items()}
+    if kw.get("mask_token_id") == "none":
+        kw["mask_token_id"] = None
     if a.mode == "native":  # run_training refuses it for other methods
         kw |= {"mode": "native", "mtp_weight": a.mtp_weight, "trunk_lr_scale": a.trunk_lr_scale}
     return kw

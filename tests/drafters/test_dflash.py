@@ -318,8 +318,12 @@ def test_training_with_qk_norm_and_a_mask_token_gives_an_exportable_drafter(
     argv += ["--qk-norm", "--mask-token-id", "5"]
     opts = _task_options(build_parser().parse_args(argv))
     assert opts["qk_norm"] is True and opts["mask_token_id"] == 5
-    plain = _task_options(build_parser().parse_args(argv[:8]))
-    assert plain["qk_norm"] is False and plain["mask_token_id"] is None  # off by default
+    default = _task_options(build_parser().parse_args(argv[:8]))
+    assert default["qk_norm"] is True and default["mask_token_id"] == "auto"  # exportable by default
+    plain = _task_options(build_parser().parse_args([*argv[:8], "--no-qk-norm", "--mask-token-id", "none"]))
+    assert plain["qk_norm"] is False and plain["mask_token_id"] is None  # the learned mask vector
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv[:8], "--mask-token-id", "mask"])
 
     out = tmp_path / method
     kw = {**method_kw[method], "qk_norm": True, "mask_token_id": 5}
@@ -335,3 +339,21 @@ def test_training_with_qk_norm_and_a_mask_token_gives_an_exportable_drafter(
     drafter = build_drafter(method, tiny, str(out))
     res = _decode(tiny, drafter, 3, [[1, 2, 3, 4]], max_new=12)[0]
     assert len(res.token_ids) == 12
+
+
+def test_auto_mask_token_is_a_special_token_of_the_target(tiny):
+    """'auto' picks the tokenizer's mask, unk or pad token, else the smallest eos id, always a row of
+    the target's embedding."""
+    from types import SimpleNamespace
+
+    from specdecode.training.methods.dflash import default_mask_token
+
+    rows = tiny.model.info.vocab_size
+
+    def target(**tok):
+        return SimpleNamespace(model=tiny.model, tokenizer=SimpleNamespace(**tok), eos_token_ids=(7, 3))
+
+    assert default_mask_token(target(mask_token_id=9, unk_token_id=0)) == 9
+    assert default_mask_token(target(mask_token_id=None, unk_token_id=4, pad_token_id=2)) == 4
+    assert default_mask_token(target(pad_token_id=2)) == 2
+    assert default_mask_token(target(mask_token_id=rows, pad_token_id=rows + 1)) == 3  # not rows: eos

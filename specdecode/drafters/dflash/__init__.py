@@ -30,8 +30,8 @@ METHOD = Method(
         "num_layers": 2,
         "block_size": 8,
         "num_anchors": 32,
-        "qk_norm": False,  # on (with mask_token_id): the layer vLLM / speculators serve
-        "mask_token_id": None,
+        "qk_norm": True,  # with mask_token_id: the published layer vLLM / speculators serve
+        "mask_token_id": "auto",  # the tokenizer's mask / unk / pad / eos token (task.mask_token)
     },
     checkpoint="dflash",
     summary="block diffusion: a whole block of drafts in one forward",

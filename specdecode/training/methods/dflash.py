@@ -5,8 +5,9 @@ Contract: `DFlashTask(target, seqs, num_layers, block_size, draft_vocab_size, nu
 of the draft vocabulary; its layers start from the target's last decoder layers,
 `init_from_target`) and a loss module that packs `num_anchors` random blocks per sequence (context
 strictly before each anchor) and applies the position-decayed CE on the draft slots. `arch`:
-further DFlashConfig fields, e.g. `qk_norm` and `mask_token_id`, the options a checkpoint needs to
-export to the speculators layout (docs/interop.md).
+further DFlashConfig fields, e.g. `qk_norm` and `mask_token_id` (on by default, `mask_token_id`
+'auto' = `default_mask_token(target)`), the options a checkpoint needs to export to the
+speculators layout (docs/interop.md).
 `make_drafter()` returns a `DFlashDrafter` over the current weights (served-tau evaluation).
 
 The loss:
@@ -71,6 +72,20 @@ def copy_target_layers(net: DFlash, target) -> list[int] | None:
     state["ctx_norm.weight"] = src[f"{pre}layers.{ids[0]}.input_layernorm.weight"].float()
     net.load_state_dict(state, strict=False)
     return ids
+
+
+def default_mask_token(target) -> int:
+    """The id whose embedding the mask slots read when `mask_token_id` is 'auto': the tokenizer's
+    mask token, else its unk, pad or (smallest) eos token, the first that is a row of the target's
+    embedding. Any fixed row works (the drafter learns around it); a special token keeps it apart
+    from text, as z-lab's and speculators' DFlash drafters do."""
+    rows = target.model.info.vocab_size
+    tok = getattr(target, "tokenizer", None)
+    for name in ("mask_token_id", "unk_token_id", "pad_token_id"):
+        i = getattr(tok, name, None)
+        if isinstance(i, int) and 0 <= i < rows:
+            return i
+    return min(target.eos_token_ids)
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int):
@@ -179,6 +194,8 @@ class DFlashTask:
         **arch,
     ):
         info = target.model.info
+        if arch.get("mask_token_id") == "auto":
+            arch["mask_token_id"] = default_mask_token(target)
         cfg = DFlashConfig.for_target(
             info,
             target.config,
