@@ -27,7 +27,7 @@ import torch
 import specdecode
 from specdecode.bench.harness import TransformersPeer
 from specdecode.datasets import load_prompt_set
-from specdecode.models.loader import load_model
+from specdecode.models.loader import load_model, resolve_path
 
 
 def prompts_for(name: str, limit: int) -> list[dict]:
@@ -92,7 +92,7 @@ def main() -> None:
         m: specdecode.load(target, m, a.drafter if m == "draft" else None, dtype=a.dtype, device="cpu")
         for m in methods
     }
-    drafter_dir = load_model(a.drafter, dtype=a.dtype).path if "hf-assisted" in peers else None
+    drafter_dir = resolve_path(a.drafter) if "hf-assisted" in peers else None  # its path, nothing loaded
     hf = {p: TransformersPeer(p, target.path, drafter_dir, dtype) for p in peers}
     runners = {m: (lambda ids, n, sd=sd: run_ours(sd, ids, n)) for m, sd in ours.items()}
     runners.update({p: (lambda ids, n, peer=peer: _peer_row(peer.run(ids, n))) for p, peer in hf.items()})

@@ -23,6 +23,8 @@ Contract:
   multi-token verification may so use different copies of the same weights; their results
   differ by rounding only (like bf16 batch effects). `act_dtype` is the dtype activations and
   the KV cache use: bf16 when every kernel of the plan computes in bf16, else fp32.
+  `keeps_fp32_weights`: False when every kernel holds its own copy of the weight (the masters
+  may then be bf16, see NativeDecoder).
 * `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
   matrix shapes (random weights, several layers so they do not fit in cache), picks the
   kernel per bucket from as few kernels as possible, at most two (each holds its own copy of
@@ -212,6 +214,13 @@ class FormatPlan:
     @property
     def act_dtype(self) -> torch.dtype:
         return torch.bfloat16 if all(k in _BF16 for k in self.kernels) else torch.float32
+
+    @property
+    def keeps_fp32_weights(self) -> bool:
+        """Whether a kernel of the plan multiplies by the fp32 weight tensor itself (`fp32`,
+        `fp32-mkl`); every other kernel holds its own copy, so the weights' masters may be kept
+        in bf16 when that loses nothing (NativeDecoder: a 1.5B model's fp32 masters are 6 GB)."""
+        return any(k in ("fp32", "fp32-mkl") for k in self.kernels)
 
     @property
     def name(self) -> str:

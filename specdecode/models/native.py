@@ -20,7 +20,9 @@ Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md
   PyTorch ops. Both compute the same function up to fp32 rounding.
 * Matrix products run in the formats of a `FormatPlan` (models/formats.py; `use_formats`),
   which may hold several copies of a weight (e.g. bf16 for one-token steps, fp32 for blocks);
-  activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`.
+  activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`. When no
+  kernel of the plan multiplies by the fp32 weight itself, the projection masters are kept in
+  bf16 where that is exact (a bf16 checkpoint): half the memory, the same products.
 
 Legend: B batch, N new tokens, P prompt length, S cache slots, R = max_len + 1 cache rows,
 H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head rows.
@@ -28,6 +30,7 @@ H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head r
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -452,6 +455,11 @@ class NativeDecoder(nn.Module):
     def _refresh(self) -> None:
         """Per-layer tuples of norms and `Linear` products in the current plan's formats."""
         plan = self.plan
+        self._flat, self._head = [], None  # the old products may hold the old masters: drop them first
+        if plan.keeps_fp32_weights and plan.act_dtype == torch.float32:
+            self._masters_to(torch.float32)  # the fp32 kernels multiply by the masters themselves
+        elif not plan.keeps_fp32_weights and self.embed_tokens.device.type == "cpu":
+            self._masters_to(torch.bfloat16)  # every product holds its own copy
         self._flat = [
             (
                 w.ln1,
@@ -469,6 +477,23 @@ class NativeDecoder(nn.Module):
         cpu_fp32 = plan.act_dtype == torch.float32 and self.embed_tokens.device.type == "cpu"
         self._fused = kernels.fused() if cpu_fp32 else None  # None: the stock-PyTorch layer
 
+    def _masters_to(self, dtype: torch.dtype) -> None:
+        """Hold the projection weights' masters in `dtype` where that is exact: bf16 for a bf16
+        checkpoint when the plan's products hold their own copies (2 bytes a parameter saved,
+        3 GB for a 1.5B model; a later plan rebuilds from the same values), fp32 again when an
+        fp32 kernel multiplies by the master itself. Norms, embedding and head stay as they are."""
+        changed = False
+        for layer in self.layers:
+            for name in ("w_qkv", "w_o", "w_gu", "w_down"):
+                p = getattr(layer, name)
+                if p.dtype == dtype or p.dtype not in (torch.float32, torch.bfloat16):
+                    continue
+                new = p.data.to(dtype)
+                if dtype == torch.float32 or torch.equal(new.float(), p.data):
+                    p.data, changed = new, True
+        if changed and dtype == torch.bfloat16:
+            release_freed_memory()
+
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() rebuild the RoPE table on the new device/dtype and update info.
         out = super()._apply(fn, recurse)
@@ -483,6 +508,14 @@ class NativeDecoder(nn.Module):
             self.plan = forced_plan("bf16" if p.dtype == torch.bfloat16 else "fp32", p.device)
         self._refresh()
         return out
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps large freed blocks otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _replace_info(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> ModelInfo:

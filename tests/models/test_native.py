@@ -254,3 +254,43 @@ def test_bf16_upcast_path_agrees_and_prefill_can_skip_logits(tiny_llama_dir):
         assert m.forward(ids, pos, cache, [0], logits=False).logits is None
     assert torch.allclose(outs[0], outs[1], atol=0.1, rtol=0.05)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() > 0.9
+
+
+def test_masters_shrink_to_bf16_only_when_exact_and_unread(tiny_llama_dir):
+    """A plan whose kernels all hold their own weight copies (here int8) lets the projection
+    masters of a bf16-exact model become bf16; the model computes the same, and a later fp32
+    plan rebuilds the same fp32 model. Inexact (fp32) weights keep fp32 masters."""
+    from specdecode.models.formats import FormatPlan, forced_plan
+
+    int8 = FormatPlan(("int8",) * 7)
+    assert not int8.keeps_fp32_weights and forced_plan("fp32").keeps_fp32_weights
+    ids, pos = _ids(10, seed=3), torch.arange(10)[None]
+
+    def logits(m):
+        return m.forward(ids, pos, m.new_cache(1, 16), [0]).logits
+
+    inexact = _load(tiny_llama_dir)
+    inexact.use_formats(int8)
+    assert inexact.layers[0].w_qkv.dtype == torch.float32  # rounding would change a later fp32 plan
+
+    models = []
+    for _ in range(2):
+        m = _load(tiny_llama_dir)
+        with torch.no_grad():
+            for layer in m.layers:  # a bf16 checkpoint, loaded in fp32
+                for name in ("w_qkv", "w_o", "w_gu", "w_down"):
+                    p = getattr(layer, name)
+                    p.copy_(p.to(torch.bfloat16).float())
+        m.use_formats(forced_plan("fp32"))  # rebuild the products from the rounded weights
+        models.append(m)
+    ref, m = models
+    fp32_logits = logits(ref)
+    ref.use_formats(int8)
+    m.use_formats(int8)
+    assert all(getattr(layer, n).dtype == torch.bfloat16 for layer in m.layers for n in ("w_qkv", "w_down"))
+    assert m.layers[0].ln1.dtype == torch.float32 and m.embed_tokens.dtype == torch.float32
+    assert m.info.dtype == torch.float32  # activations and KV cache stay fp32
+    torch.testing.assert_close(logits(m), logits(ref), atol=0, rtol=0)
+    m.use_formats(forced_plan("fp32"))  # back to fp32 products: the same fp32 model as before
+    assert m.layers[0].w_qkv.dtype == torch.float32
+    torch.testing.assert_close(logits(m), fp32_logits, atol=0, rtol=0)
