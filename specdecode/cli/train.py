@@ -35,6 +35,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--eval-every", type=int, default=0, help="served-tau evaluation interval (0: at the end)")
     t.add_argument("--eval-prompts", type=int, default=16)
+    t.add_argument(
+        "--eval-data",
+        default=None,
+        help="held-out prompts for the served-tau evaluation: a prompt set (`data build`) or regen directory "
+        "(default: --data)",
+    )
     t.add_argument("--feature-cache", default=None, help="directory to cache target features on disk")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
     options.add_seed(t)
@@ -152,6 +158,7 @@ def train(a: argparse.Namespace) -> None:
         dtype=a.dtype,
         device=a.device,
         feature_cache=a.feature_cache,
+        eval_data=a.eval_data,
     )
     print(f"drafter checkpoint: {a.out}")
     if a.mode == "native":

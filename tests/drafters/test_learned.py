@@ -179,3 +179,28 @@ def test_adaptive_policy_times_a_learned_drafters_rounds_once(trained, tiny, tmp
     monkeypatch.setattr(build_mod, "_round_seconds", lambda *a, **k: calls.append(a) or 1.0)
     again = build_mod.build(opts).decoder.policy  # cached: the same decisions, nothing timed
     assert not calls and (again.draft_fixed, again.draft_cost) == (pol.draft_fixed, pol.draft_cost)
+
+
+def test_served_tau_is_evaluated_on_a_prompt_sets_heldout_split(
+    tiny, regen_dir, prompts_dir, train_cfg, method_kw, tmp_path
+):
+    """Regenerated data without a held-out split (only train regenerated so far) evaluates the
+    served tau on the held-out prompts of `eval_data`, a prompt set."""
+    import shutil
+
+    from specdecode.training.run import run_training
+
+    data = tmp_path / "regen-train-only"
+    data.mkdir()
+    for name in ("meta.json", "train.jsonl"):
+        shutil.copy(regen_dir / name, data / name)
+    out = tmp_path / "medusa"
+    cfg = train_cfg(out, 2, eval_prompts=2)
+    skipped = run_training("medusa", tiny, data, out, cfg, method_kw["medusa"], progress=False)
+    assert "eval_tau" not in skipped
+    out2 = tmp_path / "medusa-eval"
+    summary = run_training(
+        "medusa", tiny, data, out2, train_cfg(out2, 2, eval_prompts=2), method_kw["medusa"], progress=False,
+        eval_data=prompts_dir,
+    )  # fmt: skip
+    assert summary["eval_tau"] >= 1.0 and len(summary["eval_acceptance"]) > 0
