@@ -57,8 +57,8 @@ DSPARK_KEYS |= {"conf.bias": "confidence_head.proj.bias"}
 
 def _train_hint(method: str) -> str:
     return (
-        f"train one that exports with `specdecode train {method} --qk-norm --mask-token-id N ...` "
-        "(N: a token id of the target's vocabulary its embedding has, e.g. an unused special token)"
+        f"train one that exports with `specdecode train {method} ...` (q/k norms and a mask token are "
+        "its defaults; `--mask-token-id N` picks the token)"
     )
 
 

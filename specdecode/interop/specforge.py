@@ -59,7 +59,7 @@ def export(cfg: dict, state: dict[str, torch.Tensor], out: Path, max_position: i
     method, arch = cfg["method"], cfg["arch"]
     if method in ("dflash", "dspark"):
         why = "; ".join(dflash_family.export_refusal(method, arch, state))
-        hint = f" (and for speculators: {why}; `specdecode train {method} --qk-norm --mask-token-id N`)"
+        hint = f" (and for speculators: {why}; `specdecode train {method}` trains one that exports)"
         raise SpecDecodeError(
             f"SpecForge has no layout for specdecode's {method!r} drafters (only EAGLE-3); export "
             "--format speculators, which vLLM serves" + (hint if why else "")

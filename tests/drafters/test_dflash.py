@@ -357,3 +357,41 @@ def test_auto_mask_token_is_a_special_token_of_the_target(tiny):
     assert default_mask_token(target(mask_token_id=None, unk_token_id=4, pad_token_id=2)) == 4
     assert default_mask_token(target(pad_token_id=2)) == 2
     assert default_mask_token(target(mask_token_id=rows, pad_token_id=rows + 1)) == 3  # not rows: eos
+
+
+def test_qk_norm_gains_fit_the_targets_queries_and_keys(tiny, regen_dir):
+    """For a target without q/k norms the drafter's norms start from least-squares gains: on the
+    target's own inputs RMSNorm(q) * g is closer to q than with unit gains, and training from the
+    target's layers starts from them."""
+    from specdecode.models.loader import open_checkpoint
+    from specdecode.training.methods.dflash import DFlashTask, qk_norm_gains
+
+    seqs = load_sequences(regen_dir, "train", 512)
+    task = DFlashTask(
+        tiny, seqs, num_layers=2, block_size=4, draft_vocab_size=64, qk_norm=True, mask_token_id=5
+    )
+    cfg, ids = task.net.cfg, task.layers_from
+    src = open_checkpoint(tiny.path)
+    pre = "model." if "model.embed_tokens.weight" in src else ""
+    sample = [[1 + (7 * i + j) % 90 for j in range(40)] for i in range(4)]
+    gains = qk_norm_gains(tiny, src, pre, ids, sample, cfg)
+    assert set(gains) == {f"layers.{j}.attn.{w}_norm.weight" for j in range(2) for w in "qk"}
+    # the fit, measured on the target's inputs to its layer ids[0] over the same sample
+    layer = ids[0]
+    ln = src[f"{pre}layers.{layer}.input_layernorm.weight"].float()
+    wq = src[f"{pre}layers.{layer}.self_attn.q_proj.weight"].float()
+    qs = []
+    for seq in sample:
+        cache = tiny.model.new_cache(1, len(seq) + 1)
+        h = tiny.model.forward(torch.tensor([seq]), None, cache, [0], logits=False, capture=(layer - 1,))
+        x = torch.nn.functional.rms_norm(
+            h.hidden[layer - 1][0].float(), (cfg.hidden_size,), ln, cfg.rms_norm_eps
+        )
+        qs.append((x @ wq.T).view(-1, cfg.head_dim))
+    q = torch.cat(qs)
+    unit = torch.nn.functional.rms_norm(q, (cfg.head_dim,), eps=cfg.rms_norm_eps)
+    err_ones = (unit - q).pow(2).sum()
+    err_gain = (unit * gains["layers.0.attn.q_norm.weight"] - q).pow(2).sum()
+    assert err_gain < 0.9 * err_ones  # the least-squares gains beat unit gains on their own data
+    net_gain = task.net.layers[0].attn.q_norm.weight.detach()
+    assert not torch.equal(net_gain, torch.ones_like(net_gain))  # the task used them

@@ -40,7 +40,7 @@ from specdecode.models.loader import open_checkpoint
 from specdecode.training.vocab import draft_vocabulary
 
 
-def copy_target_layers(net: DFlash, target) -> list[int] | None:
+def copy_target_layers(net: DFlash, target, sample: list[list[int]] = ()) -> list[int] | None:
     """Start the drafter's layers (and final norm) from the target's last decoder layers, which
     already map states into the head's space, and the context fusion from the deepest feature
     layer; a short CPU run learns far faster from there than from a random init. Returns the
@@ -61,6 +61,10 @@ def copy_target_layers(net: DFlash, target) -> list[int] | None:
             key = f"{pre}layers.{i}.{theirs}"  # a Qwen3 target has them; otherwise they start at 1
             if key in src:
                 state[f"layers.{j}.{ours}"] = src[key].float()
+    if net.cfg.qk_norm and not any(
+        k.startswith(f"layers.{j}.attn.q_norm") for j in range(len(ids)) for k in state
+    ):
+        state |= qk_norm_gains(target, src, pre, ids, sample, net.cfg)  # a target without q/k norms
     if f"{pre}norm.weight" in src:
         state["norm.weight"] = src[f"{pre}norm.weight"].float()
     # Context = the deepest fused feature, normed like the first copied layer's input: at init
@@ -86,6 +90,44 @@ def default_mask_token(target) -> int:
         if isinstance(i, int) and 0 <= i < rows:
             return i
     return min(target.eos_token_ids)
+
+
+@torch.no_grad()
+def qk_norm_gains(target, src, pre: str, ids: list[int], sample, cfg) -> dict[str, torch.Tensor]:
+    """Per-channel gains g [D] of the q / k RMSNorms of drafter layer j (a copy of target layer
+    ids[j], which has no such norms) that make RMSNorm(q) * g the least-squares fit of q itself
+    on the target's own inputs to that layer over `sample`: g_c = sum(q_c^2 / r) / sum(q_c^2 / r^2)
+    with r the RMS of each head's q (likewise k). With gains of 1 the copied attention would
+    start with unit-RMS queries and keys, far flatter than the target's, and a short run cannot
+    move the gains far enough (Adam moves a weight by ~lr a step)."""
+    out: dict[str, torch.Tensor] = {}
+    seqs = [list(s)[:256] for s in sample if len(s) > 1][:8]
+    if not seqs:
+        return out
+    model = target.model
+    layers_in = {i - 1 for i in ids}  # the output of layer i - 1 is the input of layer i
+    hs: dict[int, list[torch.Tensor]] = {i: [] for i in layers_in}
+    for s in seqs:
+        cache = model.new_cache(1, len(s) + 1)
+        h = model.forward(torch.tensor([s]), None, cache, [0], logits=False, capture=tuple(layers_in)).hidden
+        for i in layers_in:
+            hs[i].append(h[i][0].float().cpu())  # [T, d]
+    D, eps = cfg.head_dim, cfg.rms_norm_eps
+    for j, i in enumerate(ids):
+        x = torch.cat(hs[i - 1])  # [T, d]
+        x = torch.nn.functional.rms_norm(
+            x, (x.shape[-1],), src[f"{pre}layers.{i}.input_layernorm.weight"].float(), eps
+        )
+        for which, proj in (("q", "q_proj"), ("k", "k_proj")):
+            y = x @ src[f"{pre}layers.{i}.self_attn.{proj}.weight"].float().T  # [T, heads * D]
+            bias = src.get(f"{pre}layers.{i}.self_attn.{proj}.bias")  # qwen2
+            if bias is not None:
+                y = y + bias.float()
+            y = y.view(-1, D)  # [T * heads, D]
+            r = (y.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+            g = (y.pow(2) / r).sum(0) / (y.pow(2) / r.pow(2)).sum(0).clamp(min=1e-12)
+            out[f"layers.{j}.attn.{which}_norm.weight"] = g
+    return out
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int):
@@ -213,7 +255,11 @@ class DFlashTask:
         with torch.no_grad():
             emb = target.model.embed(torch.arange(info.vocab_size, device=info.device)).float().cpu()
         self.net.init_from_target(emb, d2t)
-        self.layers_from = copy_target_layers(self.net, target) if init_from_target else None
+        self.layers_from = (
+            copy_target_layers(self.net, target, [q.input_ids.tolist() for q in seqs[:8]])
+            if init_from_target
+            else None
+        )
         self.net.to(info.device)
         self.target = target
         self.module = self.loss_cls(self.net, target, num_anchors)
