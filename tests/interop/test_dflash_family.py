@@ -209,7 +209,7 @@ def test_exports_without_the_options_are_refused_naming_them(tmp_path, method):
         export_drafter(SHIPPED_ROOT / f"smollm2-135m-{method}", tmp_path / "x")
     msg = str(e.value)
     assert "without `mask_token_id`" in msg
-    assert f"specdecode train {method} --qk-norm --mask-token-id N" in msg
+    assert f"specdecode train {method} ...` (q/k norms and a mask token are its defaults" in msg
     assert not (tmp_path / "x").exists()
     with pytest.raises(SpecDecodeError, match="SpecForge has no layout"):
         export_drafter(SHIPPED_ROOT / f"smollm2-135m-{method}", tmp_path / "y", fmt="specforge")
