@@ -2,7 +2,8 @@
 # Conformance of `specdecode` exports with the vLLM `speculators` package (docs/interop.md).
 # speculators 0.9.0 pins transformers<=5.19 while specdecode pins 5.24, so it lives in its own
 # environment, .venv-speculators (created here on first use, with our torch and --no-deps).
-# Usage: scripts/check_speculators.sh [WORK_DIR]
+# Usage: scripts/check_speculators.sh [WORK_DIR [dflash=DIR] [dspark=DIR]]  (trained drafters to check;
+# default: the shipped ones when they have the published layer, else seeded random ones)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -17,6 +18,6 @@ if [ ! -x "$SPEC/bin/python" ]; then
   # --no-deps: its torchvision / torchaudio / CUDA requirements are not needed to load and run models
   "$SPEC/bin/pip" install -q --no-deps "speculators==0.9.0"
 fi
-.venv/bin/python scripts/speculators_conformance.py reference "$WORK"
-"$SPEC/bin/python" scripts/speculators_conformance.py check "$WORK" 2>&1 | grep -E "CONFORMANCE|Error|error" 
+.venv/bin/python scripts/speculators_conformance.py reference "$WORK" "${@:2}"
+"$SPEC/bin/python" scripts/speculators_conformance.py check "$WORK" 2>&1 | grep -E "CONFORMANCE|Error|error"
 exit "${PIPESTATUS[0]}"

@@ -11,8 +11,11 @@ Two halves, because speculators 0.9.0 pins transformers <= 5.19 and specdecode p
   unchanged in the model) and the embedding from the verifier directory with its own
   `_load_verifier_weights(overwrite_embed_tokens=True)`, runs its
   `forward(..., ttt_steps=3)` with eager attention and compares the logits of each step.
-The same for DFlash and DSpark (no such drafter ships: `reference` writes a seeded random one
-for SmolLM2 with `qk_norm` and `mask_token_id`, a reduced draft vocabulary, and exports it):
+The same for DFlash and DSpark: `reference OUT dflash=DIR dspark=DIR` exports those trained
+checkpoints (default: the shipped ones when they have the published layer, `qk_norm` and
+`mask_token_id`; else a seeded random drafter of that layer for SmolLM2 with a reduced draft
+vocabulary) and checks the round trip on our side (export -> import: the same weights, and the
+same greedy tokens as `ar` through both directories, a `ROUNDTRIP` line);
 `check` validates the config (`DFlashSpeculatorConfig` / `DSparkSpeculatorConfig`), loads the
 weights into `DFlashDraftModel` / `DSparkDraftModel` unchanged, runs its training forward on the
 target's features with one anchor (eager attention) and compares the block's draft logits (DSpark:
@@ -22,6 +25,7 @@ Prints one `CONFORMANCE ...` line per check and exits non-zero on the first fail
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,7 +36,8 @@ STEPS = 3
 MASK_ID = 3  # a SmolLM2 special token that never occurs in chat text
 
 
-def reference(out: Path) -> None:
+def reference(out: Path, drafters: dict | None = None) -> None:
+    drafters = drafters or {}
     from safetensors.torch import save_file
 
     from specdecode.drafters.checkpoint import SHIPPED_ROOT
@@ -68,33 +73,44 @@ def reference(out: Path) -> None:
     )
     print(f"REFERENCE written: T={T} steps={STEPS} Vd={logits.shape[-1]} -> {out}")
     for method in ("dflash", "dspark"):
-        dflash_reference(target, ids, out, method)
+        dflash_reference(target, ids, out, method, drafters)
 
 
-def dflash_reference(target, ids, out: Path, method: str) -> None:
-    """A seeded random DFlash / DSpark for the target (qk_norm, mask_token_id, Vd = 8192), its
-    speculators export, and our logits for one block at anchor a (context rows < a)."""
+def dflash_reference(target, ids, out: Path, method: str, drafters: dict) -> None:
+    """The shipped DFlash / DSpark when it has the published layer (qk_norm, mask_token_id), else
+    a seeded random one (Vd = 8192), its speculators export, and our logits for one block at
+    anchor a (context rows < a)."""
     from safetensors.torch import save_file
 
-    from specdecode.drafters.checkpoint import save_checkpoint
+    from specdecode.drafters.checkpoint import SHIPPED_ROOT, save_checkpoint
     from specdecode.drafters.dflash.model import DFlash, DFlashConfig, t2d_table
     from specdecode.drafters.dspark.model import DSpark
-    from specdecode.interop import export_drafter
+    from specdecode.interop import export_drafter, import_drafter
     from specdecode.interop.common import sorted_vocab
 
     info, V = target.model.info, target.model.info.vocab_size
-    kw = {"layout": "dspark", "markov_rank": 64, "block_size": 7} if method == "dspark" else {}
-    cfg = DFlashConfig.for_target(info, target.config, 8192, qk_norm=True, mask_token_id=MASK_ID, **kw)
-    net = (DSpark if method == "dspark" else DFlash)(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            p.copy_(("norm" in name) + 0.05 * torch.randn(p.shape, generator=g))
-        net.d2t.copy_(torch.randperm(V, generator=g)[:8192])
+    given = drafters.get(method) or SHIPPED_ROOT / f"smollm2-135m-{method}"
+    arch = json.loads((Path(given) / "config.json").read_text())["arch"]
+    if arch.get("qk_norm") and arch.get("mask_token_id") is not None:  # a drafter that exports
+        _, arch, state = import_drafter(given, target)
+        cfg = DFlashConfig.from_json(arch)
+        net = (DSpark if method == "dspark" else DFlash)(cfg)
+        net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        src, which = Path(given), f"trained drafter {Path(given).name}"
+    else:  # the shipped one predates the published layer: a seeded random one of that layer
+        kw = {"layout": "dspark", "markov_rank": 64, "block_size": 7} if method == "dspark" else {}
+        cfg = DFlashConfig.for_target(info, target.config, 8192, qk_norm=True, mask_token_id=MASK_ID, **kw)
+        net = (DSpark if method == "dspark" else DFlash)(cfg)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(("norm" in name) + 0.05 * torch.randn(p.shape, generator=g))
+            net.d2t.copy_(torch.randperm(V, generator=g)[:8192])
+        src = save_checkpoint(
+            out / f"ours-{method}", method, cfg.to_json(), net.state_dict(), target, dtype=torch.float32
+        )
+        which = "a seeded random drafter"
     net.eval()
-    src = save_checkpoint(
-        out / f"ours-{method}", method, cfg.to_json(), net.state_dict(), target, dtype=torch.float32
-    )
     export_drafter(src, out / f"export-{method}", verifier_name_or_path=str(target.path))
     T, B = ids.shape[1], cfg.block_size
     a = T - B - 1  # the anchor: a whole block fits before the end
@@ -124,7 +140,40 @@ def dflash_reference(target, ids, out: Path, method: str) -> None:
         str(out / f"reference-{method}.safetensors"),
         metadata={"anchor": str(a)},
     )
-    print(f"REFERENCE {method} written: T={T} anchor={a} block={B}")
+    print(f"REFERENCE {method} written ({which}): T={T} anchor={a} block={B}")
+    round_trip(target, src, out / f"export-{method}", method)
+
+
+def round_trip(target, src: Path, exported: Path, method: str) -> None:
+    """Export -> import: the same drafter logits on the target's features, and the same greedy
+    tokens (fixed K) through our directory and through the exported one."""
+    from specdecode.build import LoadOptions, build
+    from specdecode.interop import import_drafter
+
+    _, a0, s0 = import_drafter(src, target)
+    _, a1, s1 = import_drafter(exported, target)
+    diff = max(
+        float((s0[k].float() - s1[k].float()).abs().max())
+        for k in s0
+        if k in s1 and s0[k].is_floating_point()
+    )
+    missing = sorted(set(s0) ^ set(s1))
+
+    def greedy(drafter):
+        opts = LoadOptions(
+            target=target, method=method, drafter=str(drafter), policy="fixed", num_draft_tokens=4
+        )
+        return build(opts).generate(PROMPT, max_new_tokens=48, temperature=0.0).token_ids
+
+    ar = build(LoadOptions(target=target, method="ar")).generate(PROMPT, max_new_tokens=48, temperature=0.0)
+    same = greedy(src) == greedy(exported) == ar.token_ids
+    line = (
+        f"{method}: weights max |diff| {diff:.2e} over {len(s0)} tensors (keys differing: {missing}); "
+        f"greedy 48 tokens via ours == via export == ar: {same}"
+    )
+    if missing or diff > 0 or not same:
+        sys.exit(f"ROUNDTRIP FAIL {line}")
+    print(f"ROUNDTRIP OK {line}")
 
 
 def check(out: Path) -> None:
@@ -268,7 +317,12 @@ def check_dflash(out: Path, method: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("reference", "check"):
-        sys.exit("usage: speculators_conformance.py reference|check OUT_DIR")
+    if len(sys.argv) < 3 or sys.argv[1] not in ("reference", "check"):
+        sys.exit(
+            "usage: speculators_conformance.py reference OUT_DIR [dflash=DIR] [dspark=DIR] | check OUT_DIR"
+        )
     torch.manual_seed(0)
-    {"reference": reference, "check": check}[sys.argv[1]](Path(sys.argv[2]))
+    if sys.argv[1] == "check":
+        check(Path(sys.argv[2]))
+    else:
+        reference(Path(sys.argv[2]), dict(arg.split("=", 1) for arg in sys.argv[3:]))

@@ -128,14 +128,13 @@ def to_foreign(
         out.update(
             {f"layers.{i}.{theirs}": state[f"layers.{i}.{ours}"] for ours, theirs in LAYER_KEYS.items()}
         )
-    dtype = state["fc.weight"].dtype
     if Vd < V:
         if head is None:
             raise SpecDecodeError(
                 "a reduced draft vocabulary needs the target's output head in the export (speculators "
                 "stores lm_head rows for it); pass --target or a local verifier directory"
             )
-        out["lm_head.weight"] = head[ids].to("cpu", dtype)
+        out["lm_head.weight"] = head[ids].to("cpu")  # the target's own rows, in its dtype: exact
         out["d2t"] = offsets_from_ids(ids)
         out["t2d"] = t2d_mask(ids, V)
     elif not torch.equal(ids, torch.arange(V)):

@@ -53,3 +53,4 @@ def test_check_speculators_script(tmp_path, smollm2_dir):
     for check in checks:
         assert f"CONFORMANCE {check}" in out, out[-3000:]
     assert "argmax agreement [1.0, 1.0, 1.0]" in out and "FAIL" not in out
+    assert "ROUNDTRIP OK dflash" in out and "ROUNDTRIP OK dspark" in out  # export -> import, our side
