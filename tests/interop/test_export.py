@@ -53,14 +53,28 @@ def test_specforge_layout_of_the_shipped_eagle(tmp_path):
     assert "midlayer.hidden_norm.weight" in load_file(str(out / "model.safetensors"))
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
 @pytest.mark.parametrize("fmt", ["speculators", "specforge"])
-def test_dflash_family_exports_are_refused_with_the_reasons(tmp_path, method, fmt):
+def test_shipped_dflash_predates_the_published_layer_and_is_refused(tmp_path, fmt):
     with pytest.raises(SpecDecodeError, match="q_norm / k_norm") as e:
-        export_drafter(SHIPPED_ROOT / f"smollm2-135m-{method}", tmp_path / "x", fmt=fmt)
+        export_drafter(SHIPPED_ROOT / "smollm2-135m-dflash", tmp_path / "x", fmt=fmt)
     assert "mask_token_id" in str(e.value) and not (tmp_path / "x").exists()
-    if method == "dspark":
-        assert "calibration bias" in str(e.value)
+
+
+def test_shipped_dspark_exports_to_speculators_only(tmp_path):
+    """The shipped DSpark is the published layer (q/k norms, a mask token, temperature-only
+    calibration): it exports to speculators with the per-algorithm fields; SpecForge has no
+    DSpark layout."""
+    src = SHIPPED_ROOT / "smollm2-135m-dspark"
+    out = export_drafter(src, tmp_path / "x")
+    cfg = json.loads((out / "config.json").read_text())
+    arch = json.loads((src / "config.json").read_text())["arch"]
+    assert cfg["speculators_model_type"] == "dspark" and cfg["mask_token_id"] == arch["mask_token_id"]
+    assert cfg["block_size"] == arch["block_size"] and cfg["markov_rank"] == arch["markov_rank"]
+    assert len(cfg["confidence_temperatures"]) == arch["block_size"]
+    w = load_file(str(out / "model.safetensors"))
+    assert "layers.0.self_attn.q_norm.weight" in w and w["lm_head.weight"].dtype == torch.float32
+    with pytest.raises(SpecDecodeError, match="SpecForge has no layout"):
+        export_drafter(src, tmp_path / "y", fmt="specforge")
 
 
 def test_export_refuses_unknown_formats_and_non_checkpoints(tmp_path):
