@@ -59,6 +59,7 @@ AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
+_MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
 MAX_COPIES = 2  # kernels (copies of every weight) in one plan: a 1.5B model's bf16 copy is 3 GB
@@ -220,7 +221,7 @@ class FormatPlan:
         """Whether a kernel of the plan multiplies by the fp32 weight tensor itself (`fp32`,
         `fp32-mkl`); every other kernel holds its own copy, so the weights' masters may be kept
         in bf16 when that loses nothing (NativeDecoder: a 1.5B model's fp32 masters are 6 GB)."""
-        return any(k in ("fp32", "fp32-mkl") for k in self.kernels)
+        return any(k in _MULTIPLY_BY_MASTER for k in self.kernels)
 
     @property
     def name(self) -> str:

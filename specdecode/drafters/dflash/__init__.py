@@ -31,7 +31,7 @@ METHOD = Method(
         "block_size": 8,
         "num_anchors": 32,
         "qk_norm": True,  # with mask_token_id: the published layer vLLM / speculators serve
-        "mask_token_id": "auto",  # the tokenizer's mask / unk / pad / eos token (task.mask_token)
+        "mask_token_id": "auto",  # the tokenizer's mask / unk / pad / eos token (default_mask_token)
     },
     checkpoint="dflash",
     summary="block diffusion: a whole block of drafts in one forward",

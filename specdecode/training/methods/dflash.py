@@ -43,9 +43,10 @@ from specdecode.training.vocab import draft_vocabulary
 def copy_target_layers(net: DFlash, target, sample: list[list[int]] = ()) -> list[int] | None:
     """Start the drafter's layers (and final norm) from the target's last decoder layers, which
     already map states into the head's space, and the context fusion from the deepest feature
-    layer; a short CPU run learns far faster from there than from a random init. Returns the
-    target layers used, or None when the checkpoint's names are not the Llama/Qwen ones (the
-    random init is kept)."""
+    layer; a short CPU run learns far faster from there than from a random init. With `qk_norm`
+    the q/k norms are the target's (Qwen3) or, for a target without them, `qk_norm_gains` fitted
+    on `sample` (token id lists). Returns the target layers used, or None when the checkpoint's
+    names are not the Llama/Qwen ones (the random init is kept)."""
     src = open_checkpoint(target.path)
     pre = "model." if "model.embed_tokens.weight" in src else ""
     n = target.model.info.num_layers
@@ -58,13 +59,11 @@ def copy_target_layers(net: DFlash, target, sample: list[list[int]] = ()) -> lis
                 return None
             state[f"layers.{j}.{ours}"] = src[key].float()
         for ours, theirs in QK_NORM_NAMES.items() if net.cfg.qk_norm else ():
-            key = f"{pre}layers.{i}.{theirs}"  # a Qwen3 target has them; otherwise they start at 1
+            key = f"{pre}layers.{i}.{theirs}"  # a Qwen3 target has them
             if key in src:
                 state[f"layers.{j}.{ours}"] = src[key].float()
-    if net.cfg.qk_norm and not any(
-        k.startswith(f"layers.{j}.attn.q_norm") for j in range(len(ids)) for k in state
-    ):
-        state |= qk_norm_gains(target, src, pre, ids, sample, net.cfg)  # a target without q/k norms
+    if net.cfg.qk_norm and "layers.0.attn.q_norm.weight" not in state:  # a target without q/k norms
+        state |= qk_norm_gains(target, src, pre, ids, sample, net.cfg)
     if f"{pre}norm.weight" in src:
         state["norm.weight"] = src[f"{pre}norm.weight"].float()
     # Context = the deepest fused feature, normed like the first copied layer's input: at init
