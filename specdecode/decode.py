@@ -41,6 +41,7 @@ import torch
 
 from specdecode.drafter import Drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.models.base import Segment, forward_packed
 from specdecode.policy import DraftPolicy, FixedK
 from specdecode.request import (
     GenerationRequest,
@@ -220,16 +221,29 @@ class SpeculativeDecoder:
         # 2. Chunked prefill. The budget only applies while others are decoding, and grows with
         # the number of prompts waiting per running request: a burst of arrivals behind one
         # running request is read quickly (the batch fills up), while a full batch is stalled
-        # by at most one chunk per step.
+        # by at most one chunk per step. While others decode, each prefilling request's next
+        # chunk rides in the decode step's forward (one chunk per request per step); an idle
+        # batch prefills on its own forwards at once.
         t0 = time.perf_counter()
         budget = None
         if self.prefill_budget and self._running:
             budget = self.prefill_budget * -(-len(self._prefilling) // len(self._running))
+        riding = bool(self._running)
+        riders: list[tuple[RunningRequest, int]] = []  # (request, chunk size)
         for r in list(self._prefilling):
-            budget = self._prefill(r, budget)
-            if r.prefill_done:
+            if r.prefill_done:  # a one-token prompt: nothing to prefill
+                self._start(r)
                 self._prefilling.remove(r)
                 self._running.append(r)
+            elif riding:
+                size = self._next_chunk(r, budget)
+                riders.append((r, size))
+                budget = None if budget is None else budget - size
+            else:
+                budget = self._prefill(r, budget)
+                if r.prefill_done:
+                    self._prefilling.remove(r)
+                    self._running.append(r)
             if budget is not None and budget <= 0:
                 break
         # Rows in slot order: a full batch reads the cache as one contiguous range (no copies).
@@ -237,8 +251,10 @@ class SpeculativeDecoder:
         stats.prefill_s = time.perf_counter() - t0
         if not self._running:
             return []
-        # 3. One decode step for every running request, then emission and stop conditions.
-        verdicts = self._step(self._running)
+        # 3. One decode step for every running request (the riders' chunks in its forward), then
+        # emission and stop conditions.
+        t0 = time.perf_counter()
+        verdicts, rider_outs = self._step(self._running, [self._chunk_segment(r, n) for r, n in riders])
         self.draft_time += stats.draft_s
         self.verify_time += stats.verify_s
         events, still = [], []
@@ -255,37 +271,60 @@ class SpeculativeDecoder:
             else:
                 self._release(r, started=True)
         self._running = still
+        dt = time.perf_counter() - t0
+        for (r, size), out in zip(riders, rider_outs, strict=True):
+            r.prefill_time += dt  # the wall clock its chunk took (the step it rode in)
+            self._chunk_done(r, size, out)
+            if r.prefill_done:
+                self._prefilling.remove(r)
+                self._running.append(r)
         return events
 
-    def _prefill(self, r: RunningRequest, budget: int | None) -> int | None:
-        """Prefill chunks of r's prompt (all but its last token) within `budget` tokens."""
-        t0 = time.perf_counter()
-        prompt = r.req.prompt_ids
+    def _next_chunk(self, r: RunningRequest, budget: int | None) -> int:
+        """Tokens of r's prompt (all but its last token) the next chunk holds, within `budget`."""
+        left = len(r.req.prompt_ids) - 1 - r.num_prefilled
+        return min(self.prefill_chunk, left, budget if budget is not None else left)
+
+    def _chunk_segment(self, r: RunningRequest, size: int) -> Segment:
+        """The forward segment of r's next prompt chunk of `size` tokens (no logits)."""
+        start = r.num_prefilled
         dev = self.model.info.device
-        capture = self.drafter.needs_hidden
-        end = len(prompt) - 1
-        while r.num_prefilled < end and (budget is None or budget > 0):
-            start = r.num_prefilled
-            size = min(self.prefill_chunk, end - start, budget if budget is not None else end)
-            ids = torch.tensor([prompt[start : start + size]], dtype=torch.long, device=dev)  # [1, N]
-            pos = torch.arange(start, start + size, device=dev)[None]  # [1, N]
-            out = self.model.forward(ids, pos, self.cache, [r.slot], logits=False, capture=capture)
-            self.cache.commit(r.slot, size)
-            for i in capture:
-                r.hidden_parts[i].append(out.hidden[i][0])  # [N, d]
-            r.num_prefilled += size
-            self.last_step.prefill_tokens += size
+        ids = torch.tensor([r.req.prompt_ids[start : start + size]], dtype=torch.long, device=dev)  # [1, N]
+        pos = torch.arange(start, start + size, device=dev)[None]  # [1, N]
+        return Segment(ids, pos, [r.slot], capture=self.drafter.needs_hidden, logits=False)
+
+    def _chunk_done(self, r: RunningRequest, size: int, out) -> None:
+        """Commit a prefilled chunk; the drafter starts on r once its prompt is in the cache."""
+        self.cache.commit(r.slot, size)
+        for i in self.drafter.needs_hidden:
+            r.hidden_parts[i].append(out.hidden[i][0])  # [N, d]
+        r.num_prefilled += size
+        self.last_step.prefill_tokens += size
+        if r.prefill_done:
+            self._start(r)
+
+    def _start(self, r: RunningRequest) -> None:
+        """r's prompt is in the cache: the drafter starts on it, and so does r's decode clock."""
+        hidden = {i: torch.cat(p) if p else None for i, p in r.hidden_parts.items()}  # layer -> [P-1, d]
+        r.hidden_parts = {}
+        self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)
+        r.t_start = time.perf_counter()
+
+    def _prefill(self, r: RunningRequest, budget: int | None) -> int | None:
+        """Prefill chunks of r's prompt (all but its last token) within `budget` tokens, each on
+        its own forward."""
+        t0 = time.perf_counter()
+        while not r.prefill_done and (budget is None or budget > 0):
+            size = self._next_chunk(r, budget)
+            seg = self._chunk_segment(r, size)
+            out = forward_packed(self.model, self.cache, [seg])[0]
+            self._chunk_done(r, size, out)
             if budget is not None:
                 budget -= size
         r.prefill_time += time.perf_counter() - t0
-        if r.prefill_done:
-            hidden = {i: torch.cat(p) if p else None for i, p in r.hidden_parts.items()}  # layer -> [P-1, d]
-            r.hidden_parts = {}
-            self.drafter.start(r.slot, list(prompt), hidden)
-            r.t_start = time.perf_counter()
         return budget
 
-    def _step(self, running: list[RunningRequest]) -> list[Verdict]:
+    def _step(self, running: list[RunningRequest], riders: list[Segment]) -> tuple[list[Verdict], list]:
         return speculate(
             running,
             self.model,
@@ -295,6 +334,7 @@ class SpeculativeDecoder:
             self.vocab_size,
             self.verify_mode,
             self.last_step,
+            riders,
         )
 
     # ---- offline API --------------------------------------------------------------------

@@ -2,9 +2,11 @@
 commit -> advance.
 
 Contract:
-- `speculate(batch, target, cache, drafter, policy, verify_mode)` runs one step for every
-  request in `batch` (running `request.RunningRequest`s, rows in that order) and returns one
-  `verify.Verdict` per request plus the step's `StepStats`. The target cache holds every
+- `speculate(batch, target, cache, drafter, policy, verify_mode, stats, riders)` runs one step
+  for every request in `batch` (running `request.RunningRequest`s, rows in that order) and
+  returns one `verify.Verdict` per request, and the outputs of `riders`: forward segments of
+  other slots (prompt chunks) packed into the verify forward (`models.base.forward_packed`),
+  which the caller commits. The step's figures go to `stats`. The target cache holds every
   committed token except each request's last one, which opens the verify block
   `[last token, drafts...]`; a step with no drafts is exactly plain autoregressive decoding.
 - K per request comes from the policy (`choose`, or `bounds` for a drafter that reports
@@ -23,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafter import Drafter, Proposal, empty_proposal
+from specdecode.models.base import ForwardOutput, Segment, forward_packed
 from specdecode.models.kv_cache import KVCache
 from specdecode.policy import DraftPolicy
 from specdecode.request import RunningRequest
@@ -63,7 +67,8 @@ def speculate(
     vocab_size: int,
     verify_mode: str = "rejection",
     stats: StepStats | None = None,
-) -> list[Verdict]:
+    riders: Sequence[Segment] = (),
+) -> tuple[list[Verdict], list[ForwardOutput]]:
     stats = stats if stats is not None else StepStats()
     rows = [r.row() for r in batch]
     t0 = time.perf_counter()
@@ -71,7 +76,7 @@ def speculate(
     proposal = drafter.propose(rows, ks) if any(ks) else empty_proposal(len(rows))
     verified = truncate(batch, proposal, policy)
     t1 = time.perf_counter()
-    out = verify_forward(model, cache, batch, verified, drafter.needs_hidden)  # 2. verify forward
+    out, rider_outs = verify_forward(model, cache, batch, verified, drafter.needs_hidden, riders)  # 2.
     verified, logits = isolate_failures(batch, verified, out.logits, vocab_size)
     verdicts = verify_step(  # 3. verify (lossless)
         verified,
@@ -94,7 +99,7 @@ def speculate(
     record(batch, verdicts, policy, stats)
     stats.num_rows, stats.block = len(batch), verified.max_k + 1
     stats.draft_s, stats.verify_s = t1 - t0, t2 - t1
-    return verdicts
+    return verdicts, rider_outs
 
 
 def draft_lengths(batch: list[RunningRequest], policy: DraftPolicy, drafter: Drafter) -> list[int]:
@@ -120,9 +125,16 @@ def truncate(batch: list[RunningRequest], proposal: Proposal, policy: DraftPolic
     return dataclasses.replace(proposal, draft_ids=proposal.draft_ids[:, :k], num_draft=num, draft_probs=q)
 
 
-def verify_forward(model, cache: KVCache, batch: list[RunningRequest], proposal: Proposal, capture):
+def verify_forward(
+    model,
+    cache: KVCache,
+    batch: list[RunningRequest],
+    proposal: Proposal,
+    capture,
+    riders: Sequence[Segment] = (),
+) -> tuple[ForwardOutput, list[ForwardOutput]]:
     """One target forward over [last token, drafts...] per request (a tree's nodes see their
-    ancestors, at position committed length + depth)."""
+    ancestors, at position committed length + depth), with the riders' segments packed in."""
     dev = model.info.device
     num_draft = proposal.num_draft.cpu()  # [B]
     k = proposal.max_k
@@ -142,15 +154,18 @@ def verify_forward(model, cache: KVCache, batch: list[RunningRequest], proposal:
             tree_mask[b, : n + 1, : n + 1] = tree_attention_mask(par)
             positions[b, : n + 1] += tree_depths(par)
     ragged = bool((num_draft != k).any())
-    return model.forward(
+    main = Segment(
         input_ids.to(dev),
         positions.to(dev),
-        cache,
         [r.slot for r in batch],
         num_new=(num_draft + 1).tolist() if ragged else None,
         tree_mask=None if tree_mask is None else tree_mask.to(dev),
         capture=capture,
     )
+    if not riders:
+        return forward_packed(model, cache, [main])[0], []
+    outs = forward_packed(model, cache, [main, *riders])
+    return outs[0], outs[1:]
 
 
 def isolate_failures(batch: list[RunningRequest], proposal: Proposal, logits: torch.Tensor, vocab_size: int):

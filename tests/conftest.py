@@ -306,9 +306,9 @@ def start_server(tmp_path_factory):
         def slow_steps(monkeypatch, delay: float = 0.03) -> None:
             real = engine.decoder._step
 
-            def slow(running):
+            def slow(running, riders):
                 time.sleep(delay)
-                return real(running)
+                return real(running, riders)
 
             monkeypatch.setattr(engine.decoder, "_step", slow)
 

@@ -92,6 +92,46 @@ class CausalLM(Protocol):
     def lm_head_weight(self) -> torch.Tensor: ...  # [V, d] output head (the embedding when tied)
 
 
+@dataclass
+class Segment:
+    """One group of rows of a packed forward (`forward_packed`): the arguments of `forward`."""
+
+    input_ids: torch.Tensor  # [B, N] long
+    positions: torch.Tensor | None  # [B, N] long; None = lengths[slot] + i
+    slots: torch.Tensor | Sequence[int]  # [B]
+    num_new: torch.Tensor | Sequence[int] | None = None  # [B]
+    tree_mask: torch.Tensor | None = None  # [B, N, N] bool
+    capture: Sequence[int] = ()
+    logits: bool = True  # False: no LM head for this segment
+
+
+def forward_packed(model: CausalLM, cache, segments: Sequence[Segment]) -> list[ForwardOutput]:
+    """Forward several segments (distinct slots) at once: one `ForwardOutput` per segment.
+
+    A model with `forward_segments` (NativeDecoder) packs them: its matrix products see every
+    segment's tokens together and attention runs per segment, so e.g. a prompt chunk rides in a
+    decode step's forward for what its extra rows cost. Any other model runs them one by one.
+    Each segment's output is what `forward` gives it alone, up to the rounding of a product
+    over more rows (like any batch effect).
+    """
+    packed = getattr(model, "forward_segments", None)
+    if packed is not None and len(segments) > 1:
+        return packed(cache, segments)
+    return [
+        model.forward(
+            g.input_ids,
+            g.positions,
+            cache,
+            g.slots,
+            num_new=g.num_new,
+            tree_mask=g.tree_mask,
+            capture=g.capture,
+            logits=g.logits,
+        )
+        for g in segments
+    ]
+
+
 def host_list(x: torch.Tensor | Sequence[int] | int | None, n: int | None = None) -> list[int] | None:
     """Scheduling metadata (slots, num_new, kept rows) as Python ints.
 

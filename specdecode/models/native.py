@@ -44,6 +44,7 @@ from specdecode.models.base import (
     FINAL_NORM,
     ForwardOutput,
     ModelInfo,
+    Segment,
     check_capture,
     chunked_prefill,
     host_list,
@@ -93,6 +94,16 @@ class _Plan:
     # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
     window: torch.Tensor | None = None  # [B] long: row of each request in the range
     window_size: int = 0  # R
+
+
+@dataclass
+class _Group:
+    """One segment of a packed forward: its plan, shape and first row in the packed tokens."""
+
+    plan: _Plan
+    B: int
+    N: int
+    row: int
 
 
 class NativeDecoder(nn.Module):
@@ -240,36 +251,68 @@ class NativeDecoder(nn.Module):
         capture: Sequence[int] = (),
         logits: bool = True,  # False: skip the LM head (prefill), ForwardOutput.logits is None
     ) -> ForwardOutput:
-        s = self.spec
-        B, N = input_ids.shape
-        capture = check_capture(capture, s.num_layers)
-        plan = self._plan(B, N, cache, slots, num_new, tree_mask)
-        dev = self.embed_tokens.device
-        if positions is None:
-            lens = [cache.lengths[x] for x in host_list(slots)]
-            positions = torch.tensor(lens).unsqueeze(1) + torch.arange(N)
-        positions = positions.to(dev, non_blocking=True)
-        input_ids = input_ids.to(dev, non_blocking=True)
+        seg = Segment(input_ids, positions, slots, num_new, tree_mask, capture, logits)
+        return self.forward_segments(cache, [seg])[0]
 
-        x = F.embedding(input_ids.reshape(B * N), self.embed_tokens)  # [B*N, d]: 2D keeps mm calls direct
-        cs = self._rope[positions]  # [B, N, 2, D]
-        cos, sin = cs[:, :, 0:1], cs[:, :, 1:2]  # [B, N, 1, D] each
+    @torch.no_grad()
+    def forward_segments(self, cache: KVCache, segments: Sequence[Segment]) -> list[ForwardOutput]:
+        """`forward` for several segments on distinct slots at once (`base.forward_packed`): the
+        products and norms run over all their T tokens together, attention per segment."""
+        s = self.spec
+        dev = self.embed_tokens.device
+        groups: list[_Group] = []
+        ids, pos, taken = [], [], set()
+        row = 0
+        for g in segments:
+            B, N = g.input_ids.shape
+            check_capture(g.capture, s.num_layers)
+            plan = self._plan(B, N, cache, g.slots, g.num_new, g.tree_mask)
+            slot_list = host_list(g.slots)
+            if taken.intersection(slot_list):
+                raise ValueError(f"segments of one forward must use distinct slots, got {slot_list} twice")
+            taken.update(slot_list)
+            positions = g.positions
+            if positions is None:
+                lens = [cache.lengths[x] for x in slot_list]
+                positions = torch.tensor(lens).unsqueeze(1) + torch.arange(N)
+            ids.append(g.input_ids.reshape(B * N))
+            pos.append(positions.reshape(B * N))
+            groups.append(_Group(plan, B, N, row))
+            row += B * N
+        one = len(segments) == 1
+        ids_t = (ids[0] if one else torch.cat(ids)).to(dev, non_blocking=True)  # [T]
+        pos_t = (pos[0] if one else torch.cat(pos)).to(dev, non_blocking=True)  # [T]
+        capture = {int(c) for g in segments for c in g.capture}
+
+        x = F.embedding(ids_t, self.embed_tokens)  # [T, d]: 2D keeps mm calls direct
+        cs = self._rope[pos_t]  # [T, 2, D]
         hidden: dict[int, torch.Tensor] = {}
         ops = self._fused
         for i, w in enumerate(self._flat):
             if ops is None:
-                x = self._layer(w, x, cos, sin, plan, i)
+                x = self._layer(w, x, cs, groups, i)
             else:
-                x = self._layer_fused(ops, w, x, cs.view(B * N, 2, -1), plan, i, B, N)
+                x = self._layer_fused(ops, w, x, cs, groups, i)
             if i in capture:
-                hidden[i] = x.view(B, N, -1)
+                hidden[i] = x
         if ops is None:
             x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         else:
             x = ops.rms_norm(x, self.norm, s.rms_norm_eps)
         if FINAL_NORM in capture:
-            hidden[FINAL_NORM] = x.view(B, N, -1)
-        return ForwardOutput(logits=self.lm_head(x).view(B, N, -1) if logits else None, hidden=hidden)
+            hidden[FINAL_NORM] = x
+        outs = []
+        for g, grp in zip(segments, groups, strict=True):
+            a, b, shape = grp.row, grp.row + grp.B * grp.N, (grp.B, grp.N, -1)
+            xs = x if one else x[a:b]
+            hs = {int(c): hidden[int(c)] if one else hidden[int(c)][a:b] for c in g.capture}
+            outs.append(
+                ForwardOutput(
+                    logits=self.lm_head(xs).view(shape) if g.logits else None,
+                    hidden={c: h.view(shape) for c, h in hs.items()},
+                )
+            )
+        return outs
 
     __call__ = forward  # skip nn.Module hook dispatch on the hot path
 
@@ -287,53 +330,77 @@ class NativeDecoder(nn.Module):
         return chunked_prefill(self, input_ids, cache, slots, num_new, capture, chunk_size)
 
     # -- internals --------------------------------------------------------------------------------
-    def _layer(self, w: tuple, x, cos, sin, plan: _Plan, i: int) -> torch.Tensor:
-        """One decoder layer on x [B*N, d]; weights `w` are [in, out] views (see `_refresh`)."""
+    def _layer(self, w: tuple, x, cs, groups: list[_Group], i: int) -> torch.Tensor:
+        """One decoder layer on x [T, d] (the groups' rows, packed); weights `w` are [in, out]
+        views (see `_refresh`); cs [T, 2, D] holds cos and the signed sin per row."""
         s = self.spec
         ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
-        B, N = cos.shape[:2]
+        T = x.shape[0]
         d, H, Hk, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         # 1. attention input: fused QKV projection, (qwen3) per-head norm, RoPE on q and k at once
         h = F.rms_norm(x, (d,), ln1, s.rms_norm_eps)
-        qkv = qkv_proj(h)  # [B*N, (H+2Hk)D]
-        qk = qkv[:, : (H + Hk) * D].view(B, N, H + Hk, D)
-        v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
+        qkv = qkv_proj(h)  # [T, (H+2Hk)D]
+        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
+        v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
         if qk_norm is not None:
             qk = F.rms_norm(qk, (D,), None, s.rms_norm_eps) * qk_norm
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]; the table holds the signed sin.
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [B, N, H+Hk, D]
-        k = qk[:, :, H:]  # [B, N, Hk, D]
-        # 2.-3. cache write and read, attention with the G query heads folded into the query axis
-        o = self._attend(plan, i, qk[:, :, :H], k, v, _sdpa, B, N)  # [B*N, H*D]
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # [T, 1, D] each
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [T, H+Hk, D]
+        # 2.-3. cache write and read, attention per group
+        o = self._attend_groups(groups, i, qk[:, :H], qk[:, H:], v, lambda N: _sdpa)  # [T, H*D]
         x = x + o_proj(o)
         # 4. SiLU MLP with fused gate/up
         h = F.rms_norm(x, (d,), ln2, s.rms_norm_eps)
-        gu = gu_proj(h)  # [B*N, 2I]
+        gu = gu_proj(h)  # [T, 2I]
         inter = s.intermediate_size
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [B*N, I]
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
         return x + down_proj(act)
 
-    def _layer_fused(self, ops, w: tuple, x, cs, plan: _Plan, i: int, B: int, N: int) -> torch.Tensor:
+    def _layer_fused(self, ops, w: tuple, x, cs, groups: list[_Group], i: int) -> torch.Tensor:
         """`_layer` on our fused fp32 CPU ops (models/kernels/fused.cpp): the same math in a
-        third of the operators; cs [B*N, 2, D] holds cos and the signed sin per row."""
+        third of the operators."""
         s = self.spec
         ln1, qkv_proj, qk_norm, o_proj, ln2, gu_proj, down_proj = w
+        T = x.shape[0]
         H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         # 1. attention input: norm, fused QKV projection, (qwen3) per-head norm, RoPE in place
-        qkv = qkv_proj(ops.rms_norm(x, ln1, s.rms_norm_eps))  # [B*N, (H+2Hk)D]
+        qkv = qkv_proj(ops.rms_norm(x, ln1, s.rms_norm_eps))  # [T, (H+2Hk)D]
         if qk_norm is not None:
-            qk = qkv[:, : (H + Hk) * D].view(B * N, H + Hk, D)
+            qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
             qk.copy_(F.rms_norm(qk, (D,), None, s.rms_norm_eps) * qk_norm)
         ops.rope_(qkv, cs, H + Hk)
-        k = qkv[:, H * D : (H + Hk) * D].view(B, N, Hk, D)
-        v = qkv[:, (H + Hk) * D :].view(B, N, Hk, D)
-        # 2.-3. cache write and read, attention; long prefill chunks go to SDPA's flash kernel,
-        # every step and verify block to ours
-        attend = ops.attention if N <= FUSED_ATTENTION_ROWS else _sdpa
-        o = self._attend(plan, i, qkv[:, : H * D].view(B, N, H, D), k, v, attend, B, N)  # [B*N, H*D]
+        q = qkv[:, : H * D].view(T, H, D)
+        k = qkv[:, H * D : (H + Hk) * D].view(T, Hk, D)
+        v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
+        # 2.-3. cache write and read, attention per group; long prefill chunks go to SDPA's flash
+        # kernel, every step and verify block to ours
+        o = self._attend_groups(
+            groups, i, q, k, v, lambda N: ops.attention if N <= FUSED_ATTENTION_ROWS else _sdpa
+        )  # [T, H*D]
         x, h = ops.add_rms_norm(x, o_proj(o), ln2, s.rms_norm_eps)
         # 4. SiLU MLP with fused gate/up
         return x + down_proj(ops.silu_mul(gu_proj(h)))
+
+    def _attend_groups(self, groups: list[_Group], i: int, q, k, v, attend_for) -> torch.Tensor:
+        """Attention of each group over its own slots: q [T, H, D], k, v [T, Hk, D] -> [T, H*D]."""
+        outs = []
+        for g in groups:
+            a, b = g.row, g.row + g.B * g.N
+            shape = (g.B, g.N, -1, q.shape[-1])
+            outs.append(
+                self._attend(
+                    g.plan,
+                    i,
+                    q[a:b].view(shape),
+                    k[a:b].view(shape),
+                    v[a:b].view(shape),
+                    attend_for(g.N),
+                    g.B,
+                    g.N,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend(self, plan: _Plan, i: int, q, k, v, attend, B: int, N: int) -> torch.Tensor:
         """Write layer i's new K/V rows (k, v [B, N, Hk, D]), read the span this step attends to,

@@ -90,9 +90,9 @@ def test_concurrent_requests_match_offline_decoding(tiny):
 def _slow(monkeypatch, engine, delay=0.01):
     real_step = engine.decoder._step
 
-    def slow(running):
+    def slow(running, riders):
         time.sleep(delay)
-        return real_step(running)
+        return real_step(running, riders)
 
     monkeypatch.setattr(engine.decoder, "_step", slow)
 
@@ -153,11 +153,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, monkeypa
         real_step = engine.decoder._step
         calls = {"n": 0}
 
-        def flaky(running):
+        def flaky(running, riders):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("boom")
-            return real_step(running)
+            return real_step(running, riders)
 
         monkeypatch.setattr(engine.decoder, "_step", flaky)
         s = Collector()

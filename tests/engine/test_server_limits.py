@@ -262,7 +262,7 @@ def test_error_bodies_carry_no_traceback_exception_text_or_path(server, monkeypa
     secret = "boom-7f3a"
     path = str(tiny_llama_dir)
 
-    def failing(running):
+    def failing(running, riders):
         raise RuntimeError(f"{secret} while reading {path}/model.safetensors")
 
     monkeypatch.setattr(server.engine.decoder, "_step", failing)

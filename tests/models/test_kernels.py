@@ -151,3 +151,34 @@ def test_attention_matches_sdpa_and_skips_what_no_row_sees(ops, with_mask, R):
             q[:1, :, r : r + 1], k[:1], v[:1], None if mask is None else mask[:1, :, r : r + 1]
         )
         assert torch.equal(one, got[:1, :, r : r + 1])
+
+
+@pytest.mark.parametrize("G", [1, 3, 8])  # query heads per KV head: rows summed together in 1-3s
+def test_attention_rows_sharing_a_mask_row_sum_values_together_exactly(ops, G):
+    """A decode step's G query heads share their mask row; the kernel then sums the values for
+    them together. The result must be what SDPA gives and, bit for bit, what each row gives alone
+    (and what a chunk whose rows see different keys gives)."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hk, L, D = 4, 2, 37, 64
+    lens = torch.tensor([5, 36, 17, 1])  # keys each batch row sees (a ragged decode batch)
+    q = torch.randn(B, Hk, G, D, generator=gen)
+    kv = torch.randn(2, B, Hk, L + 3, D, generator=gen)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    seen = torch.arange(L).view(1, L) < lens.view(B, 1)  # [B, L]
+    k.masked_fill_(~seen.view(B, 1, L, 1), float("nan"))  # garbage past each row's length
+    v.masked_fill_(~seen.view(B, 1, L, 1), float("nan"))
+    mask = seen.view(B, 1, 1, L).repeat(1, 1, G, 1)
+    got = ops.attention(q, k, v, mask)
+    assert not got.isnan().any()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.nan_to_num(0.0), v.nan_to_num(0.0), attn_mask=mask
+    )
+    _close(got, want)
+    for g in range(G):  # one row alone
+        one = ops.attention(q[:, :, g : g + 1], k, v, mask[:, :, g : g + 1])
+        assert torch.equal(one, got[:, :, g : g + 1])
+    if G > 1:  # a chunk whose rows differ (one sees a key less): summed row by row
+        mixed = mask.clone()
+        mixed[:, :, -1, 0] = False
+        other = ops.attention(q, k, v, mixed)
+        assert torch.equal(other[:, :, :-1], got[:, :, :-1])

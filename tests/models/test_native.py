@@ -190,6 +190,46 @@ def test_prefill_chunks_equal_one_forward(tiny_qwen2_dir):
     torch.testing.assert_close(chunked.hidden[-1][1, :17], whole.hidden[-1][1, :17], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_segments_equal_separate_forwards(kind, request):
+    """A decode step (two slots, one of them a ragged verify block), a tree row and a prompt chunk
+    in one packed forward give each segment what its own forward gives, and write the same K/V."""
+    from specdecode.models.base import Segment, forward_packed
+
+    model = _load(request.getfixturevalue(kind))
+    mask, depth, _ = _tree()
+    caches = [model.new_cache(4, 32), model.new_cache(4, 32)]
+    for c in caches:
+        model.prefill(_ids(5, seed=1), c, [0])
+        model.prefill(_ids(7, seed=2), c, [1])
+        model.prefill(_ids(4, seed=3), c, [3])
+    block = torch.cat([_ids(3, seed=4), _ids(3, seed=5)])  # slots 0, 1: K+1 = 3, row 1 ragged
+    tree_ids = _ids(6, seed=6)
+    chunk = _ids(9, seed=7)  # slot 2: the first chunk of a new prompt
+    segs = [
+        Segment(block, None, [0, 1], num_new=[3, 2], capture=(0,)),
+        Segment(tree_ids, (4 + depth)[None], [3], tree_mask=mask[None]),
+        Segment(chunk, None, [2], capture=(0, -1), logits=False),
+    ]
+    packed = forward_packed(model, caches[0], segs)
+    alone = [forward_packed(model, caches[1], [g])[0] for g in segs]
+    torch.testing.assert_close(packed[0].logits[0], alone[0].logits[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[0].logits[1, :2], alone[0].logits[1, :2], atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[0].hidden[0][0], alone[0].hidden[0][0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[1].logits, alone[1].logits, atol=ATOL, rtol=0)
+    assert packed[2].logits is None and set(packed[2].hidden) == {0, -1}
+    for key in (0, -1):
+        torch.testing.assert_close(packed[2].hidden[key], alone[2].hidden[key], atol=ATOL, rtol=0)
+    rows = {0: 3, 1: 2, 2: 9, 3: 6}  # K/V rows each slot's segment wrote past its length
+    lens = {0: 5, 1: 7, 2: 0, 3: 4}
+    for slot, n in rows.items():
+        a = caches[0].kv[:, :, slot, :, lens[slot] : lens[slot] + n]
+        b = caches[1].kv[:, :, slot, :, lens[slot] : lens[slot] + n]
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="distinct slots"):
+        forward_packed(model, caches[0], [segs[0], Segment(chunk, None, [1])])
+
+
 def test_decode_step_plan_is_lean(tiny_llama_dir):
     model = _load(tiny_llama_dir)
     cache = model.new_cache(4, 16)

@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -134,6 +136,41 @@ inline void weighted_sum(const float* p, int64_t n, float inv, const float* v, i
       if (p[j] != 0.f) acc = std::fma(p[j] * inv, v[j * vl + e], acc);
     o[e] = acc;
   }
+}
+
+// weighted_sum for RG rows at once that share their zero weights (rows of one chunk with the same
+// mask row): each value row is loaded once for all RG rows; every output element is the same
+// sequence of fmas as weighted_sum's, so the result is bit for bit what it gives row by row.
+template <int RG>
+inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float* inv, const float* v,
+                              int64_t vl, int64_t d, float* o, int64_t od) {
+  for (int64_t e0 = 0; e0 + 32 <= d; e0 += 32) {
+    __m256 acc[RG][4];
+    for (int g = 0; g < RG; ++g)
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;  // masked for every row of the group
+      const float* vj = v + j * vl + e0;
+      const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+      const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
+      for (int g = 0; g < RG; ++g) {
+        const __m256 pj = _mm256_set1_ps(p[g * ld + j] * inv[g]);
+        acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(pj, v1, acc[g][1]);
+        acc[g][2] = _mm256_fmadd_ps(pj, v2, acc[g][2]);
+        acc[g][3] = _mm256_fmadd_ps(pj, v3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < RG; ++g)
+      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(o + g * od + e0 + 8 * u, acc[g][u]);
+  }
+}
+
+// The 8 mask bytes of keys [j0, j0 + jn) as one word (bool is one byte 0/1): 0 = none visible.
+inline uint64_t mask_word(const bool* m, int64_t jn) {
+  uint64_t w = 0;
+  std::memcpy(&w, m, static_cast<size_t>(jn));
+  return w;
 }
 
 inline void norm_row(const float* x, const float* w, float eps, int64_t d, float* y) {
@@ -280,26 +317,35 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const float* qq = qp + (bh * R + r0) * D;
       const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
       for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
+      // Rows of this chunk with one mask row (a decode step's G query heads; no mask) share
+      // their zero weights: their values are summed together (weighted_sum_rows).
+      bool shared = D % 32 == 0;
+      for (int64_t r = 1; shared && mm && r < rn; ++r) shared = std::memcmp(mm, mm + r * L, L) == 0;
       // 1. scores, 8 keys at a time (keys past L read a zero key); a block of keys none of these
       //    rows may see is skipped (never read). Every score comes from score8, whatever its
       //    neighbours, so a row's scores do not depend on the other rows of the chunk.
       int64_t last = -1;  // last key any of these rows sees
       for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const int64_t jn = std::min<int64_t>(8, L - j0);
+        const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const float* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
         for (int64_t r = 0; r < rn; ++r) {
           float* sr = s.data() + r * Lp + j0;
           const bool* mr = mm ? mm + r * L + j0 : nullptr;
-          bool any = false;
-          for (int64_t t = 0; t < jn; ++t) any = any || !mr || mr[t];
-          if (!any) {
+          const uint64_t w = mr ? mask_word(mr, jn) : full;
+          if (w == 0) {
             for (int64_t t = 0; t < 8; ++t) sr[t] = ninf;
             continue;
           }
           _mm256_storeu_ps(sr, score8(qs.data() + r * D, keys, D));
+          if (w == full) {
+            for (int64_t t = jn; t < 8; ++t) sr[t] = ninf;
+            last = std::max(last, j0 + jn - 1);
+            continue;
+          }
           for (int64_t t = 0; t < 8; ++t)
-            if (t >= jn || (mr && !mr[t])) {
+            if (t >= jn || !mr[t]) {
               sr[t] = ninf;
             } else {
               last = std::max(last, j0 + t);
@@ -311,10 +357,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         for (int64_t j = last + 1; j < jend; ++j) s[r * Lp + j] = ninf;
       // 2. softmax per row (masked scores give exactly 0), then 3. the weighted sum of values
       float* o = op + (bh * R + r0) * D;
+      float inv[RC];
+      bool sees[RC];
       for (int64_t r = 0; r < rn; ++r) {
         float* sr = s.data() + r * Lp;
         float* orow = o + r * D;
         for (int64_t e = 0; e < D; ++e) orow[e] = 0.f;
+        sees[r] = false;
         if (last < 0) continue;
         __m256 vmax = _mm256_set1_ps(ninf);
         for (int64_t j = 0; j < jend; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
@@ -327,8 +376,18 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           _mm256_storeu_ps(sr + j, e);
           vsum = _mm256_add_ps(vsum, e);
         }
-        const float inv = 1.f / hadd(vsum);
-        weighted_sum(sr, last + 1, inv, vv, vl, D, orow);
+        inv[r] = 1.f / hadd(vsum);
+        sees[r] = true;
+        if (!shared) weighted_sum(sr, last + 1, inv[r], vv, vl, D, orow);
+      }
+      if (!shared || last < 0 || !sees[0]) continue;  // shared rows see the same keys
+      for (int64_t r = 0; r < rn; r += 3) {
+        const float* sr = s.data() + r * Lp;
+        switch (std::min<int64_t>(3, rn - r)) {
+          case 3: weighted_sum_rows<3>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
+          case 2: weighted_sum_rows<2>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
+          default: weighted_sum_rows<1>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D);
+        }
       }
     }
   });
