@@ -218,34 +218,30 @@ class SpeculativeDecoder:
             r.hidden_parts = {i: [] for i in self.drafter.needs_hidden}
             self.cache.reset(r.slot)
             self._prefilling.append(r)
-        # 2. Chunked prefill. The budget only applies while others are decoding, and grows with
-        # the number of prompts waiting per running request: a burst of arrivals behind one
-        # running request is read quickly (the batch fills up), while a full batch is stalled
-        # by at most one chunk per step. While others decode, each prefilling request's next
-        # chunk rides in the decode step's forward (one chunk per request per step); an idle
-        # batch prefills on its own forwards at once.
+        # 2. Chunked prefill. While others decode, the next chunk of each prefilling request
+        # (one per request, `budget` tokens in all) rides in the decode step's forward. The budget
+        # grows with the number of prompts waiting per running request: a burst of arrivals
+        # behind one running request is read quickly (the batch fills up), while a full batch is
+        # stalled by at most one chunk per step. An idle batch reads its prompts at once, their
+        # chunks packed into forwards of up to `prefill_chunk` tokens.
         t0 = time.perf_counter()
-        budget = None
-        if self.prefill_budget and self._running:
-            budget = self.prefill_budget * -(-len(self._prefilling) // len(self._running))
-        riding = bool(self._running)
+        for r in [r for r in self._prefilling if r.prefill_done]:  # one-token prompts
+            self._start(r)
+            self._prefilling.remove(r)
+            self._running.append(r)
         riders: list[tuple[RunningRequest, int]] = []  # (request, chunk size)
-        for r in list(self._prefilling):
-            if r.prefill_done:  # a one-token prompt: nothing to prefill
-                self._start(r)
-                self._prefilling.remove(r)
-                self._running.append(r)
-            elif riding:
-                size = self._next_chunk(r, budget)
-                riders.append((r, size))
-                budget = None if budget is None else budget - size
-            else:
-                budget = self._prefill(r, budget)
-                if r.prefill_done:
-                    self._prefilling.remove(r)
-                    self._running.append(r)
-            if budget is not None and budget <= 0:
-                break
+        idle = not self._running
+        if not idle:
+            budget = None
+            if self.prefill_budget:
+                budget = self.prefill_budget * -(-len(self._prefilling) // len(self._running))
+            riders = self._chunks(budget)
+        while idle and self._prefilling:
+            chunks = self._chunks(None)
+            segments = [self._chunk_segment(r, n) for r, n in chunks]
+            t1 = time.perf_counter()
+            outs = forward_packed(self.model, self.cache, segments)
+            self._chunks_done(chunks, outs, time.perf_counter() - t1)
         # Rows in slot order: a full batch reads the cache as one contiguous range (no copies).
         self._running.sort(key=lambda r: r.slot)
         stats.prefill_s = time.perf_counter() - t0
@@ -271,19 +267,21 @@ class SpeculativeDecoder:
             else:
                 self._release(r, started=True)
         self._running = still
-        dt = time.perf_counter() - t0
-        for (r, size), out in zip(riders, rider_outs, strict=True):
-            r.prefill_time += dt  # the wall clock its chunk took (the step it rode in)
-            self._chunk_done(r, size, out)
-            if r.prefill_done:
-                self._prefilling.remove(r)
-                self._running.append(r)
+        self._chunks_done(riders, rider_outs, time.perf_counter() - t0)
         return events
 
-    def _next_chunk(self, r: RunningRequest, budget: int | None) -> int:
-        """Tokens of r's prompt (all but its last token) the next chunk holds, within `budget`."""
-        left = len(r.req.prompt_ids) - 1 - r.num_prefilled
-        return min(self.prefill_chunk, left, budget if budget is not None else left)
+    def _chunks(self, budget: int | None) -> list[tuple[RunningRequest, int]]:
+        """The next chunk of each prefilling request in turn, `budget` tokens in all (None:
+        `prefill_chunk`): (request, tokens of its prompt the chunk holds)."""
+        left = self.prefill_chunk if budget is None else budget
+        chunks = []
+        for r in self._prefilling:
+            if left <= 0:
+                break
+            size = min(self.prefill_chunk, len(r.req.prompt_ids) - 1 - r.num_prefilled, left)
+            chunks.append((r, size))
+            left -= size
+        return chunks
 
     def _chunk_segment(self, r: RunningRequest, size: int) -> Segment:
         """The forward segment of r's next prompt chunk of `size` tokens (no logits)."""
@@ -293,15 +291,20 @@ class SpeculativeDecoder:
         pos = torch.arange(start, start + size, device=dev)[None]  # [1, N]
         return Segment(ids, pos, [r.slot], capture=self.drafter.needs_hidden, logits=False)
 
-    def _chunk_done(self, r: RunningRequest, size: int, out) -> None:
-        """Commit a prefilled chunk; the drafter starts on r once its prompt is in the cache."""
-        self.cache.commit(r.slot, size)
-        for i in self.drafter.needs_hidden:
-            r.hidden_parts[i].append(out.hidden[i][0])  # [N, d]
-        r.num_prefilled += size
-        self.last_step.prefill_tokens += size
-        if r.prefill_done:
-            self._start(r)
+    def _chunks_done(self, chunks: list[tuple[RunningRequest, int]], outs: list, dt: float) -> None:
+        """Commit prefilled chunks (their forward took `dt` s); a request whose prompt is in the
+        cache starts decoding."""
+        for (r, size), out in zip(chunks, outs, strict=True):
+            self.cache.commit(r.slot, size)
+            for i in self.drafter.needs_hidden:
+                r.hidden_parts[i].append(out.hidden[i][0])  # [N, d]
+            r.num_prefilled += size
+            r.prefill_time += dt
+            self.last_step.prefill_tokens += size
+            if r.prefill_done:
+                self._start(r)
+                self._prefilling.remove(r)
+                self._running.append(r)
 
     def _start(self, r: RunningRequest) -> None:
         """r's prompt is in the cache: the drafter starts on it, and so does r's decode clock."""
@@ -309,20 +312,6 @@ class SpeculativeDecoder:
         r.hidden_parts = {}
         self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)
         r.t_start = time.perf_counter()
-
-    def _prefill(self, r: RunningRequest, budget: int | None) -> int | None:
-        """Prefill chunks of r's prompt (all but its last token) within `budget` tokens, each on
-        its own forward."""
-        t0 = time.perf_counter()
-        while not r.prefill_done and (budget is None or budget > 0):
-            size = self._next_chunk(r, budget)
-            seg = self._chunk_segment(r, size)
-            out = forward_packed(self.model, self.cache, [seg])[0]
-            self._chunk_done(r, size, out)
-            if budget is not None:
-                budget -= size
-        r.prefill_time += time.perf_counter() - t0
-        return budget
 
     def _step(self, running: list[RunningRequest], riders: list[Segment]) -> tuple[list[Verdict], list]:
         return speculate(

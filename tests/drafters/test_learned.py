@@ -68,6 +68,37 @@ def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
 
 
 @pytest.mark.parametrize(("method", "tree"), CASES)
+def test_a_prompt_read_while_others_decode_rides_and_stays_exact(tiny, trained, method, tree, monkeypatch):
+    """Two slots, three requests: the third is admitted when the short first one ends, and its
+    prompt rides in the second one's decode steps (its hidden states captured there). Greedy
+    tokens stay those of ar, and the rider drafts as it does alone."""
+    prompts = _prompts(tiny.tokenizer)
+    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    rode = []
+    real = type(tiny.model).forward_segments
+
+    def spy(self, cache, segments):
+        rode.append(len(segments) > 1 and segments[0].logits)  # a verify block with riders
+        return real(self, cache, segments)
+
+    monkeypatch.setattr(type(tiny.model), "forward_segments", spy)
+    dec = SpeculativeDecoder(
+        tiny, _drafter(method, trained, tiny, tree), FixedK(10 if tree else 3), max_batch=2
+    )
+    reqs = [
+        GenerationRequest(p, SamplingParams(), n, seed=i, id=str(i), ignore_eos=True)
+        for i, (p, n) in enumerate(zip(prompts, (6, 32, 32), strict=True))
+    ]
+    sd = dec.generate(reqs)
+    assert any(rode)
+    assert sd[0].token_ids == ar[0].token_ids[:6]
+    assert [r.token_ids for r in sd[1:]] == [r.token_ids for r in ar[1:]]
+    # The rider's drafter started from the states captured in those steps: it drafts as alone.
+    alone = _decode(tiny, _drafter(method, trained, tiny, tree), 10 if tree else 3, prompts[2:], seed=2)[0]
+    assert sd[2].accepted_per_position == alone.accepted_per_position and alone.tau > 1
+
+
+@pytest.mark.parametrize(("method", "tree"), CASES)
 def test_sampled_batch_equals_single_and_matches_ar_distribution(tiny, trained, method, tree):
     prompts = _prompts(tiny.tokenizer)
     params = SamplingParams(temperature=1.0, top_k=20)
