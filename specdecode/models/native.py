@@ -484,9 +484,11 @@ class NativeDecoder(nn.Module):
             plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
         if not (N == 1 and uniform and tree_mask is None):
             plan.mask = self._mask(B, N, span, torch.tensor(lens, device=dev), counts, tree_mask, dev)
-            if plan.window is not None:  # dummy rows see everything: finite garbage, never used
-                full = torch.ones(plan.window_size, *plan.mask.shape[1:], dtype=torch.bool, device=dev)
-                plan.mask = full.index_copy_(0, plan.window, plan.mask)
+            if plan.window is not None:  # dummy rows see key 0 only: finite garbage, never used,
+                # and our kernel reads one key for them instead of their slot's whole span
+                dummy = torch.zeros(plan.window_size, *plan.mask.shape[1:], dtype=torch.bool, device=dev)
+                dummy[..., 0] = True
+                plan.mask = dummy.index_copy_(0, plan.window, plan.mask)
         return plan
 
     def _mask(self, B, N, span, lens_t, counts, tree_mask, dev) -> torch.Tensor:

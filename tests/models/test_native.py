@@ -241,6 +241,11 @@ def test_decode_step_plan_is_lean(tiny_llama_dir):
     assert plan.s0 is None and plan.window.tolist() == [1, 0] and plan.k_span is None  # read in place
     plan = model._plan(2, 1, model.new_cache(8, 16), [0, 7], None, None)
     assert plan.window is None and plan.k_span is not None  # a range of mostly gaps gathers
+    cache.commit(3, 5)
+    plan = model._plan(2, 1, cache, [1, 3], None, None)  # slot 2 is a gap: a dummy query row
+    assert plan.window.tolist() == [0, 2] and plan.mask.shape[0] == 3
+    assert plan.mask[1].sum(-1).tolist() == [[1] * plan.mask.shape[2]]  # it reads one key only
+    assert plan.mask[0, 0, 0, :4].all() and plan.mask[2, 0, 0, :6].all()
 
 
 def test_overflow_and_bad_capture(tiny_llama_dir):
