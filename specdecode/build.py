@@ -54,6 +54,7 @@ class LoadOptions:
     num_draft_tokens: int | None = None
     policy: str = "adaptive"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     max_batch: int = 8
     verify_mode: str = "rejection"
@@ -206,7 +207,9 @@ def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
 def build(options: LoadOptions) -> SpecDecode:
     """Load (or take) the target, build the drafter and the policy, and pair them."""
     o = options
-    tgt = load_model(o.target, dtype=o.dtype, device=o.device) if isinstance(o.target, str) else o.target
+    tgt = o.target
+    if isinstance(tgt, str):
+        tgt = load_model(tgt, dtype=o.dtype, device=o.device, kv_cache_dtype=o.kv_cache_dtype)
     spec = native_drafter(o.drafter, tgt)
     drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k

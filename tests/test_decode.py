@@ -61,6 +61,30 @@ def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
         assert all(a == 0 for s in spec for a in s.accepted_per_position)
 
 
+def test_greedy_speculative_equals_greedy_ar_with_a_bf16_kv_cache(tiny, monkeypatch):
+    """A bf16 cache under fp32 activations rounds each key and value once, however it was
+    written (a step or a verify block), so greedy speculation still equals greedy ar."""
+    monkeypatch.setattr(tiny.model, "kv_dtype", torch.bfloat16)
+    prompts = _prompts(tiny.tokenizer)
+    dec = SpeculativeDecoder(tiny, ARDrafter(), FixedK(0))
+    reqs = [
+        GenerationRequest(p, SamplingParams(), 24, seed=i, id=str(i), ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    base = dec.generate(reqs)
+    assert dec.cache.kv.dtype == torch.bfloat16
+    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
+    for drafter in (NgramDrafter(), DraftModelDrafter(tiny.model, v, rows)):
+        spec = _decode(tiny, drafter, 4, prompts)
+        assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    monkeypatch.setattr(tiny.model, "kv_dtype", None)
+    fp32 = _decode(tiny, ARDrafter(), 0, prompts)
+    same = sum(
+        a == b for f, s in zip(fp32, base, strict=True) for a, b in zip(f.token_ids, s.token_ids, strict=True)
+    )
+    assert same >= 0.5 * sum(len(f.token_ids) for f in fp32)  # the same model, rounded
+
+
 def test_adaptive_policy_is_exact_and_backs_off(tiny):
     prompts = _prompts(tiny.tokenizer)
     base = _decode(tiny, ARDrafter(), 0, prompts, max_new=40)

@@ -54,6 +54,7 @@ def add_parsers(sub) -> None:
     dr.add_argument("--splits", default="train,heldout")
     options.add_seed(dr)
     options.add_dtype(dr)
+    options.add_kv_cache_dtype(dr)
     options.add_device(dr)
     options.add_overwrite(dr)
     dr.set_defaults(handler=regen)
@@ -74,7 +75,7 @@ def unpack(a: argparse.Namespace) -> None:
 
 
 def regen(a: argparse.Namespace) -> None:
-    target = load_model(a.target, dtype=a.dtype, device=a.device)
+    target = load_model(a.target, dtype=a.dtype, device=a.device, kv_cache_dtype=a.kv_cache_dtype)
     out = regenerate(
         target,
         a.data,

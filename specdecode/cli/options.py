@@ -4,7 +4,7 @@ Contract: each function adds one option (or one group) to a parser; a command mo
 ones it takes. (Flags that share a name but not a meaning stay with their command: --temperature
 is one value for generate, a list for bench, a regen default or a calibration setting.)
 `add_load_options(p)` adds the `LoadOptions` flags (target, method, drafter, K,
-policy, verify mode, dtype, device, max batch, drafter options), whose defaults are
+policy, verify mode, dtype, KV cache dtype, device, max batch, drafter options), whose defaults are
 `build.LoadOptions`'s own; `load_options(args)` turns parsed arguments back into one
 `LoadOptions` (what `specdecode.load`, the server and the harness take), never re-spelling them.
 """
@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from specdecode.build import DEFAULT_TARGET, LoadOptions
 from specdecode.drafters import METHODS
-from specdecode.models.loader import DTYPE_CHOICES
+from specdecode.models.loader import DTYPE_CHOICES, KV_CACHE_DTYPES
 from specdecode.policy import POLICIES
 
 _DEFAULTS = LoadOptions()
@@ -39,6 +39,16 @@ def add_target(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPE_CHOICES, help=DTYPE_HELP)
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=_DEFAULTS.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype: auto (default: the activations' dtype) or bf16 (half the cache memory "
+        "and bandwidth under fp32 activations; keys and values are rounded once as they are written)",
+    )
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
@@ -108,6 +118,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
         help="rejection sampling (default) or sample-then-match",
     )
     add_dtype(g)
+    add_kv_cache_dtype(g)
     add_device(g)
     add_max_batch(g)
     g.add_argument(

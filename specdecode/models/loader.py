@@ -12,6 +12,9 @@ Contract:
   on this machine (models/formats.py, cached per machine; bf16 on CUDA); `bf16` / `fp32` force
   one format; `int8` / `int4` quantize the weights (weight-only: another, smaller model).
   A non-native model runs in fp32 on CPU and bf16 on CUDA under `auto`.
+* `kv_cache_dtype`: `auto` (the default) keeps keys and values in the activations' dtype;
+  `bf16` / `fp32` set it (native models only), e.g. a bf16 cache under fp32 activations: half
+  the cache memory and bandwidth, keys and values rounded once as they are written.
 * `LoadedModel.vocab_size` is the tokenizer's size (what sampling may emit); the model's head
   may have more rows (`model.info.vocab_size`). `eos_token_ids` merges the tokenizer's,
   config's and generation config's end-of-sequence ids.
@@ -43,6 +46,7 @@ from specdecode.models.native_spec import NATIVE_MODEL_TYPES
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 FORMATS = ("auto", "int8", "int4")  # dtype values that pick weight formats (NativeDecoder only)
 DTYPE_CHOICES = ("auto", "bf16", "fp32", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp32")  # auto: the activations' dtype
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -78,9 +82,16 @@ class LoadedModel:
 
 # ---- public API ---------------------------------------------------------------------------------
 def load_model(
-    spec: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | None = None
+    spec: str | os.PathLike,
+    dtype: str | torch.dtype = "auto",
+    device: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load `spec` (alias, local HF directory or hub id) as a `LoadedModel` (see module docstring)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SpecDecodeError(
+            f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
+        )
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fmt = dtype if isinstance(dtype, str) and dtype in FORMATS else None
     if fmt == "auto" and dev.type != "cpu":
@@ -104,7 +115,14 @@ def load_model(
         model = NativeDecoder.from_hf(config, open_checkpoint(path), torch_dtype, dev)
         if fmt:
             model.use_formats(_plan(fmt, model))
+        if kv_cache_dtype != "auto":
+            model.kv_dtype = DTYPES[kv_cache_dtype]
     else:
+        if kv_cache_dtype != "auto":
+            raise SpecDecodeError(
+                f"--kv-cache-dtype {kv_cache_dtype} sets the native runtime's cache; {path} is a "
+                f"{config.model_type} model, which runs through transformers: use --kv-cache-dtype auto"
+            )
         if fmt in ("int8", "int4"):
             raise SpecDecodeError(
                 f"--dtype {fmt} quantizes the native runtime's weights; {path} is a {config.model_type} "

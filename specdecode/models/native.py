@@ -20,7 +20,10 @@ Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md
   PyTorch ops. Both compute the same function up to fp32 rounding.
 * Matrix products run in the formats of a `FormatPlan` (models/formats.py; `use_formats`),
   which may hold several copies of a weight (e.g. bf16 for one-token steps, fp32 for blocks);
-  activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`. When no
+  activations, norms and the KV cache use the plan's `act_dtype`, which is `info.dtype`; `kv_dtype`
+  (None by default) gives new caches another dtype: bf16 halves the cache under fp32
+  activations (keys and values rounded once as they are written; our attention kernel widens
+  them exactly as it reads them, so greedy speculation still equals greedy `ar` token for token). When no
   kernel of the plan multiplies by the fp32 weight itself, the projection masters are kept in
   bf16 where that is exact (a bf16 checkpoint): half the memory, the same products.
 
@@ -58,6 +61,8 @@ FUSED_ATTENTION_ROWS = 64  # forwards of up to this many new tokens per row use 
 
 
 def _sdpa(q, k, v, mask):
+    if k.dtype != q.dtype:  # a bf16 KV cache under fp32 activations
+        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -136,6 +141,7 @@ class NativeDecoder(nn.Module):
         self._ensure_rope(min(spec.max_position, 8192))
         self.plan = forced_plan("bf16" if dtype == torch.bfloat16 else "fp32", device)  # see use_formats
         self.format_record: dict = {}  # what --dtype auto measured (models/formats.py), if it ran
+        self.kv_dtype: torch.dtype | None = None  # KV cache dtype of new caches; None: info.dtype
         self._refresh()
 
     # -- construction ---------------------------------------------------------------------------
@@ -208,9 +214,8 @@ class NativeDecoder(nn.Module):
         """A cache for `num_slots` requests of up to `max_len` tokens each (prompt + generated)."""
         s = self.spec
         self._ensure_rope(max_len)
-        return KVCache(
-            s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.info.dtype, self.info.device
-        )
+        dtype = self.kv_dtype or self.info.dtype
+        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, dtype, self.info.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[..] token ids -> [.., d] embeddings (model dtype)."""
@@ -414,8 +419,8 @@ class NativeDecoder(nn.Module):
             plan.v_dst[i].copy_(v)
         else:
             idx = (plan.slot_idx.unsqueeze(1), plan.rows)
-            plan.k_all[i].index_put_(idx, k)
-            plan.v_all[i].index_put_(idx, v)
+            plan.k_all[i].index_put_(idx, k.to(plan.k_all[i].dtype))
+            plan.v_all[i].index_put_(idx, v.to(plan.v_all[i].dtype))
         if plan.k_src is not None:
             keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
         else:

@@ -182,3 +182,23 @@ def test_attention_rows_sharing_a_mask_row_sum_values_together_exactly(ops, G):
         mixed[:, :, -1, 0] = False
         other = ops.attention(q, k, v, mixed)
         assert torch.equal(other[:, :, :-1], got[:, :, :-1])
+
+
+@pytest.mark.parametrize(("R", "D"), [(3, 64), (19, 16)])  # rows summed together / one by one
+def test_attention_reads_bf16_keys_and_values_exactly(ops, R, D):
+    """bf16 K/V are widened to fp32 as they are read: the result is bit for bit the fp32 kernel's
+    on the same values in fp32, ragged masks and garbage past them included."""
+    gen = torch.Generator().manual_seed(4)
+    B, Hk, L = 3, 2, 29
+    q = torch.randn(B, Hk, R, D, generator=gen)
+    kv = torch.randn(2, B, Hk, L + 4, D, generator=gen).bfloat16()
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    mask = (
+        (torch.arange(L).view(1, L) < torch.tensor([29, 7, 1]).view(B, 1)).view(B, 1, 1, L).repeat(1, 1, R, 1)
+    )
+    k[1, :, 7:] = float("nan")  # never seen
+    got = ops.attention(q, k, v, mask)
+    assert torch.equal(got, ops.attention(q, k.float(), v.float(), mask))
+    assert not got.isnan().any()
+    with pytest.raises(RuntimeError, match="both alike"):
+        ops.attention(q, k, v.float(), mask)

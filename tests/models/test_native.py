@@ -230,6 +230,22 @@ def test_packed_segments_equal_separate_forwards(kind, request):
         forward_packed(model, caches[0], [segs[0], Segment(chunk, None, [1])])
 
 
+def test_bf16_kv_cache_is_half_the_memory_and_close(tiny_llama_dir, tiny_gpt2_dir):
+    lm = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu", kv_cache_dtype="bf16")
+    model, ref = lm.model, _load(tiny_llama_dir)
+    cache, ref_cache = model.new_cache(2, 80), ref.new_cache(2, 80)
+    assert cache.kv.dtype == torch.bfloat16 and 2 * cache.kv.nbytes == ref_cache.kv.nbytes
+    ids = _ids(70)  # a prompt over FUSED_ATTENTION_ROWS tokens reads the cache through SDPA
+    out = model.forward(ids, None, cache, [1])
+    want = ref.forward(ids, None, ref_cache, [1])
+    torch.testing.assert_close(out.logits, want.logits, atol=5e-2, rtol=0)
+    assert (out.logits - want.logits).abs().max() > 0  # it does round
+    with pytest.raises(SpecDecodeError, match="kv-cache-dtype"):
+        load_model(str(tiny_gpt2_dir), dtype="fp32", device="cpu", kv_cache_dtype="bf16")
+    with pytest.raises(SpecDecodeError, match="unknown KV cache dtype"):
+        load_model(str(tiny_llama_dir), kv_cache_dtype="fp8")
+
+
 def test_decode_step_plan_is_lean(tiny_llama_dir):
     model = _load(tiny_llama_dir)
     cache = model.new_cache(4, 16)

@@ -9,6 +9,7 @@
 //       x * cos + roll(x, D/2) * sin_signed (the table holds cos and the signed sin)
 //   silu_mul(gu [M, 2I])                              -> silu(gu[:, :I]) * gu[:, I:]
 //   attention(q [B, Hk, R, D], k [B|S.., Hk, L, D], v, mask [B|1, 1, R, L] bool | None)
+//       (k and v fp32, or both bf16: widened exactly to fp32 as they are read)
 //       -> [B, Hk, R, D]: softmax(q k^T / sqrt(D), masked) v; keys no row of a (b, head) may
 //       see are never read, so padding of ragged batches costs nothing.
 
@@ -41,6 +42,20 @@ inline float hmax(__m256 v) {
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
+}
+
+// 8 key/value elements as fp32 lanes: fp32 as is, bf16 (stored as uint16) widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 // exp(x - m) for x <= m, in 8 lanes (Cephes' polynomial, ~2 ulp); x == -inf gives exactly 0.
@@ -83,19 +98,20 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // q . k for 8 keys at once: 8 independent accumulators over d (no hadd per key), then one
 // transposing reduction; key t's lanes are summed in the same order whatever the other keys.
-inline __m256 score8(const float* q, const float* const* k, int64_t d) {
+template <typename T>
+inline __m256 score8(const float* q, const T* const* k, int64_t d) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
-    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + i), a4);
-    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + i), a5);
-    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + i), a6);
-    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + i), a7);
+    a0 = _mm256_fmadd_ps(qv, load8(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k[3] + i), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(k[4] + i), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(k[5] + i), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(k[6] + i), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(k[7] + i), a7);
   }
   // pairwise sums: [a0 a1 a2 a3 | ...] lanes reduced so that output lane t holds sum(a_t)
   const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
@@ -109,14 +125,15 @@ inline __m256 score8(const float* q, const float* const* k, int64_t d) {
     alignas(32) float tail[8];
     _mm256_store_ps(tail, out);
     for (int t = 0; t < 8; ++t)
-      for (int64_t e = i; e < d; ++e) tail[t] += q[e] * k[t][e];
+      for (int64_t e = i; e < d; ++e) tail[t] += q[e] * to_f(k[t][e]);
     out = _mm256_load_ps(tail);
   }
   return out;
 }
 
 // o[0, d) = inv * sum_j p[j] v[j] over j < n with p[j] != 0, in 8-lane registers (64 at a time)
-inline void weighted_sum(const float* p, int64_t n, float inv, const float* v, int64_t vl, int64_t d,
+template <typename T>
+inline void weighted_sum(const float* p, int64_t n, float inv, const T* v, int64_t vl, int64_t d,
                          float* o) {
   int64_t e0 = 0;
   for (; e0 + 64 <= d; e0 += 64) {
@@ -125,15 +142,15 @@ inline void weighted_sum(const float* p, int64_t n, float inv, const float* v, i
     for (int64_t j = 0; j < n; ++j) {
       if (p[j] == 0.f) continue;
       const __m256 pj = _mm256_set1_ps(p[j] * inv);
-      const float* vj = v + j * vl + e0;
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), acc[u]);
+      const T* vj = v + j * vl + e0;
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, load8(vj + 8 * u), acc[u]);
     }
     for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + e0 + 8 * u, acc[u]);
   }
   for (int64_t e = e0; e < d; ++e) {
     float acc = 0.f;
     for (int64_t j = 0; j < n; ++j)
-      if (p[j] != 0.f) acc = std::fma(p[j] * inv, v[j * vl + e], acc);
+      if (p[j] != 0.f) acc = std::fma(p[j] * inv, to_f(v[j * vl + e]), acc);
     o[e] = acc;
   }
 }
@@ -141,8 +158,8 @@ inline void weighted_sum(const float* p, int64_t n, float inv, const float* v, i
 // weighted_sum for RG rows at once that share their zero weights (rows of one chunk with the same
 // mask row): each value row is loaded once for all RG rows; every output element is the same
 // sequence of fmas as weighted_sum's, so the result is bit for bit what it gives row by row.
-template <int RG>
-inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float* inv, const float* v,
+template <int RG, typename T>
+inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float* inv, const T* v,
                               int64_t vl, int64_t d, float* o, int64_t od) {
   for (int64_t e0 = 0; e0 + 32 <= d; e0 += 32) {
     __m256 acc[RG][4];
@@ -150,9 +167,9 @@ inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float
       for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       if (p[j] == 0.f) continue;  // masked for every row of the group
-      const float* vj = v + j * vl + e0;
-      const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-      const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
+      const T* vj = v + j * vl + e0;
+      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+      const __m256 v2 = load8(vj + 16), v3 = load8(vj + 24);
       for (int g = 0; g < RG; ++g) {
         const __m256 pj = _mm256_set1_ps(p[g * ld + j] * inv[g]);
         acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
@@ -272,34 +289,11 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return y;
 }
 
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask) {
-  check_f32(q, "q");
-  check_f32(k, "k");
-  check_f32(v, "v");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
-  const int64_t B = q.size(0), Hk = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
-              "k and v must be [B, Hk, L, D] like q [B, Hk, R, D]");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dimension");
-  const auto qc = q.contiguous();
-  const bool* mp = nullptr;
-  int64_t mb = 0;
-  torch::Tensor mc;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 4 && mask->size(1) == 1 &&
-                    mask->size(2) == R && mask->size(3) == L &&
-                    (mask->size(0) == B || mask->size(0) == 1),
-                "mask must be bool [B or 1, 1, R, L]");
-    mc = mask->contiguous();
-    mp = mc.data_ptr<bool>();
-    mb = mc.size(0) == 1 ? 0 : R * L;
-  }
-  auto out = torch::empty({B, Hk, R, D}, qc.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
-  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+// The attention kernel over keys and values of type T (float, or bf16 bits as uint16_t).
+template <typename T>
+void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, const bool* mp, int64_t mb,
+                      int64_t B, int64_t Hk, int64_t R, int64_t D, int64_t L, int64_t kb, int64_t kh,
+                      int64_t kl, int64_t vb, int64_t vh, int64_t vl) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t Lp = (L + 7) / 8 * 8;        // score rows padded to whole vectors (-inf)
@@ -308,12 +302,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> s(RC * Lp);
     std::vector<float> qs(RC * D);
-    std::vector<float> zero_key(D, 0.f);
+    std::vector<T> zero_key(D, T{});
     for (int64_t task = a; task < b; ++task) {
       const int64_t bh = task / chunks, r0 = (task % chunks) * RC, rn = std::min(RC, R - r0);
       const int64_t bi = bh / Hk, h = bh % Hk;
-      const float* kk = kp + bi * kb + h * kh;
-      const float* vv = vp + bi * vb + h * vh;
+      const T* kk = kp + bi * kb + h * kh;
+      const T* vv = vp + bi * vb + h * vh;
       const float* qq = qp + (bh * R + r0) * D;
       const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
       for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
@@ -328,7 +322,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const int64_t jn = std::min<int64_t>(8, L - j0);
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
-        const float* keys[8];
+        const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
         for (int64_t r = 0; r < rn; ++r) {
           float* sr = s.data() + r * Lp + j0;
@@ -384,13 +378,52 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       for (int64_t r = 0; r < rn; r += 3) {
         const float* sr = s.data() + r * Lp;
         switch (std::min<int64_t>(3, rn - r)) {
-          case 3: weighted_sum_rows<3>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
-          case 2: weighted_sum_rows<2>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
-          default: weighted_sum_rows<1>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D);
+          case 3: weighted_sum_rows<3, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
+          case 2: weighted_sum_rows<2, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
+          default: weighted_sum_rows<1, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D);
         }
       }
     }
   });
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask) {
+  check_f32(q, "q");
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.device().is_cpu() && v.device().is_cpu(),
+              "k and v must be float32 or bfloat16 (both alike) on the CPU");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  const int64_t B = q.size(0), Hk = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
+              "k and v must be [B, Hk, L, D] like q [B, Hk, R, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dimension");
+  const auto qc = q.contiguous();
+  const bool* mp = nullptr;
+  int64_t mb = 0;
+  torch::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 4 && mask->size(1) == 1 &&
+                    mask->size(2) == R && mask->size(3) == L &&
+                    (mask->size(0) == B || mask->size(0) == 1),
+                "mask must be bool [B or 1, 1, R, L]");
+    mc = mask->contiguous();
+    mp = mc.data_ptr<bool>();
+    mb = mc.size(0) == 1 ? 0 : R * L;
+  }
+  auto out = torch::empty({B, Hk, R, D}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  if (k.scalar_type() == torch::kFloat32) {
+    attention_kernel<float>(qp, k.data_ptr<float>(), v.data_ptr<float>(), op, mp, mb, B, Hk, R, D, L, kb, kh,
+                            kl, vb, vh, vl);
+  } else {
+    const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+    const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+    attention_kernel<uint16_t>(qp, kp, vp, op, mp, mb, B, Hk, R, D, L, kb, kh, kl, vb, vh, vl);
+  }
   return out;
 }
 
