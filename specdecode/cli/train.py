@@ -1,7 +1,8 @@
 """`specdecode train METHOD` and `specdecode calibrate`: drafters fitted to a target.
 
 Contract: `train` runs a method's training task on regenerated data (resumable: rerun with the
-same --out); the method-specific flags go to that task only (`--mode native` only for mtp).
+same --out); the method-specific flags go to that task only (`--mode native` only for mtp);
+`--offline-vs-served` compares the run in --out instead of training (training/compare.py).
 `calibrate` fits DSpark's per-position confidence temperatures on held-out prompts and writes
 them into the checkpoint.
 """
@@ -9,12 +10,15 @@ them into the checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from specdecode.cli import options
 from specdecode.drafters import REGISTRY
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
-from specdecode.training.run import TRAINABLE, run_training, trainable
+from specdecode.training.compare import format_rows
+from specdecode.training.run import TRAINABLE, run_comparison, run_training, trainable
 from specdecode.training.trainer import TrainConfig
 
 _REGEN_HELP = "directory from `specdecode data regen`"
@@ -45,6 +49,13 @@ def add_parsers(sub) -> None:
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
     options.add_seed(t)
     t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
+    t.add_argument(
+        "--offline-vs-served",
+        action="store_true",
+        help="do not train: compare the run in --out (its trainer.pt), teacher-forced on the held-out "
+        "regenerated answers of --data, with its served acceptance per draft position; writes "
+        "OUT/offline_vs_served.json",
+    )
     m = t.add_argument_group("method-specific (defaults per method from the drafter registry)")
     for flag, dest, kind in _TASK_FLAGS:
         if kind is bool:  # --x / --no-x; unset = the method's default
@@ -148,6 +159,13 @@ def train(a: argparse.Namespace) -> None:
         bf16=a.bf16,
         stop_at=a.stop_at,
     )
+    if a.offline_vs_served:
+        res = run_comparison(
+            a.method, a.target, a.data, a.out, cfg, _task_options(a), a.dtype, a.device, eval_data=a.eval_data
+        )
+        (Path(a.out) / "offline_vs_served.json").write_text(json.dumps(res, indent=1) + "\n")
+        print(format_rows(res))
+        return
     run_training(
         a.method,
         a.target,

@@ -235,3 +235,29 @@ def test_served_tau_is_evaluated_on_a_prompt_sets_heldout_split(
         eval_data=prompts_dir,
     )  # fmt: skip
     assert summary["eval_tau"] >= 1.0 and len(summary["eval_acceptance"]) > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "dspark"])
+def test_offline_accuracy_beside_served_acceptance(
+    tiny, trained, regen_dir, prompts_dir, tmp_path, train_cfg, method_kw, method
+):
+    """`specdecode train --offline-vs-served`: teacher-forced accuracy per draft position on the
+    held-out regenerated answers beside the served acceptance; a trained drafter scores above
+    an untrained one, and a run directory without trainer.pt is refused."""
+    from specdecode.training.compare import offline_accuracy
+    from specdecode.training.data import load_sequences
+    from specdecode.training.run import _prepare, run_comparison
+
+    out, _ = trained(method)
+    cfg, kw = train_cfg(out, 80), method_kw[method]
+    res = run_comparison(method, tiny, regen_dir, out, cfg, kw, eval_data=prompts_dir)
+    rows = res["rows"]
+    assert rows[0]["position"] == 0 and all(0 <= r["offline"] <= 1 for r in rows)
+    r0 = rows[0]
+    assert r0["served"] is not None and abs(r0["gap"] - 100 * (r0["offline"] - r0["served"])) <= 0.1
+    assert res["sequences"] > 0 and res["prompts"] == 4
+    _, _, fresh = _prepare(method, tiny, regen_dir, tmp_path, cfg, kw, "fp32", "cpu")
+    heldout = load_sequences(regen_dir, "heldout", cfg.max_len, tiny.fingerprint)
+    assert offline_accuracy(fresh, tiny, heldout, cfg.tokens_per_batch, 8)[0] < rows[0]["offline"]
+    with pytest.raises(SpecDecodeError, match="trainer.pt"):
+        run_comparison(method, tiny, regen_dir, tmp_path, cfg, kw, eval_data=prompts_dir)

@@ -1,0 +1,102 @@
+"""Offline vs served: a trained drafter's teacher-forced accuracy per draft position on held-out
+regenerated data, beside its acceptance per position in the real speculative loop.
+
+Contract:
+- `offline_accuracy(task, target, seqs, tokens_per_batch, max_batches)` runs the task's own
+  loss forward (eval mode, no gradient) over held-out sequences and averages its `acc_*` logs
+  over the batches, keyed by 0-based draft position (`POSITION_OFFSET`: Medusa heads, MTP
+  modules and the distilled draft model log `acc_k` for the k-th, which drafts position k - 1).
+  What each task calls accuracy is its own: EAGLE-3 / Medusa / MTP / draft compare the
+  drafter's argmax with the target's argmax at that position (what greedy serving accepts);
+  DFlash / DSpark compare with the regenerated token there, which the target sampled.
+- `compare(task, target, heldout_seqs, prompts, cfg)` adds the served acceptance (greedy,
+  `cfg.eval_num_draft`, `cfg.eval_max_new_tokens`: `trainer.evaluate`) and returns
+  `{"rows": [{"position", "offline", "served", "gap"}], "served_tau", "sequences", "prompts"}`;
+  gap = offline - served in points. Served acceptance at position j is conditional on the
+  drafts before it being accepted; under greedy decoding that prefix is the target's own, the
+  same prefix teacher forcing gives, so the two should agree within a few points.
+- `load_trained(task, run_dir)` loads the module weights of a training run (`trainer.pt`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.training.data import collate, plan_batches
+from specdecode.training.features import TargetFeatures
+from specdecode.training.trainer import STATE, evaluate
+
+POSITION_OFFSET = {"medusa": 1, "mtp": 1, "draft": 1}  # acc_k -> draft position k - offset
+
+
+def load_trained(task, run_dir) -> None:
+    path = Path(run_dir) / STATE
+    if not path.is_file():
+        raise SpecDecodeError(f"{path} does not exist: give the --out directory of a `specdecode train` run")
+    st = torch.load(path, weights_only=True)
+    if st["method"] != task.method:
+        raise SpecDecodeError(f"{run_dir} holds a {st['method']!r} training run, not {task.method!r}")
+    task.module.load_state_dict(st["module"])
+
+
+@torch.no_grad()
+def offline_accuracy(task, target, seqs: list, tokens_per_batch: int, max_batches: int) -> dict[int, float]:
+    features = TargetFeatures(target, task.feature_layers) if task.feature_layers else (lambda b: {})
+    lengths = [len(s.input_ids) for s in seqs]
+    sums: dict[int, float] = defaultdict(float)
+    counts: dict[int, int] = defaultdict(int)
+    offset = POSITION_OFFSET.get(task.method, 0)
+    was_training = task.module.training
+    task.module.eval()
+    try:
+        for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
+            batch = collate([seqs[j] for j in idx])
+            _, logs = task.module(batch, features(batch))
+            for key, value in logs.items():
+                if key.startswith("acc_"):
+                    pos = int(key[4:]) - offset
+                    sums[pos] += float(value)
+                    counts[pos] += 1
+    finally:
+        task.module.train(was_training)
+    return {j: sums[j] / counts[j] for j in sorted(sums)}
+
+
+def compare(task, target, heldout_seqs: list, prompts: list[list[int]], cfg, max_batches: int = 32) -> dict:
+    offline = offline_accuracy(task, target, heldout_seqs, cfg.tokens_per_batch, max_batches)
+    served = evaluate(task.make_drafter(), target, prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
+    rows = []
+    for j, acc in offline.items():
+        s = served["acceptance"][j] if j < len(served["acceptance"]) else None
+        gap = None if s is None else round(100 * (acc - s), 1)
+        rows.append(
+            {
+                "position": j,
+                "offline": round(acc, 4),
+                "served": None if s is None else round(s, 4),
+                "gap": gap,
+            }
+        )
+    return {
+        "rows": rows,
+        "served_tau": round(served["tau"], 3),
+        "sequences": len(heldout_seqs),
+        "prompts": len(prompts),
+    }
+
+
+def format_rows(res: dict) -> str:
+    lines = ["| draft position | offline accuracy | served acceptance | gap (points) |", "|---|---|---|---|"]
+    for r in res["rows"]:
+        served = "-" if r["served"] is None else f"{r['served']:.3f}"
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.1f}"
+        lines.append(f"| {r['position']} | {r['offline']:.3f} | {served} | {gap} |")
+    lines.append(
+        f"served tau {res['served_tau']} over {res['prompts']} held-out prompts; offline over "
+        f"{res['sequences']} held-out regenerated sequences"
+    )
+    return "\n".join(lines)
