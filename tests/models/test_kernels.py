@@ -202,3 +202,24 @@ def test_attention_reads_bf16_keys_and_values_exactly(ops, R, D):
     assert not got.isnan().any()
     with pytest.raises(RuntimeError, match="both alike"):
         ops.attention(q, k, v.float(), mask)
+
+
+@pytest.mark.parametrize("N", [2, 5, 8])
+def test_verify_block_rows_sum_their_shared_prefix_together_exactly(ops, N):
+    """A verify block's rows (G query heads x N new tokens) all see the committed prefix and
+    differ on the new keys: the prefix's values are summed for them together, the rest row by
+    row. Bit for bit what each row gives alone; == SDPA."""
+    gen = torch.Generator().manual_seed(5)
+    B, Hk, G, D, P = 2, 3, 3, 64, 23  # P committed keys, then the block's N keys
+    L = P + N
+    q = torch.randn(B, Hk, G * N, D, generator=gen)
+    kv = torch.randn(2, B, Hk, L + 2, D, generator=gen)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    causal = torch.ones(N, L, dtype=torch.bool).tril(P)  # new token n sees keys < P + n + 1
+    mask = causal.repeat(G, 1).view(1, 1, G * N, L).expand(B, 1, G * N, L).clone()  # row g*N + n
+    mask[1, :, :, P - 3 : P] = False  # batch row 1: a gap inside the prefix (a tree's siblings)
+    got = ops.attention(q, k, v, mask)
+    _close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    for r in range(G * N):
+        one = ops.attention(q[:, :, r : r + 1], k, v, mask[:, :, r : r + 1])
+        assert torch.equal(one, got[:, :, r : r + 1]), r

@@ -131,15 +131,16 @@ inline __m256 score8(const float* q, const T* const* k, int64_t d) {
   return out;
 }
 
-// o[0, d) = inv * sum_j p[j] v[j] over j < n with p[j] != 0, in 8-lane registers (64 at a time)
+// o[0, d) += inv * sum_j p[j] v[j] over j0 <= j < n with p[j] != 0, in key order, in 8-lane
+// registers (64 at a time); o holds the sum over the keys before j0 (zeros to start).
 template <typename T>
-inline void weighted_sum(const float* p, int64_t n, float inv, const T* v, int64_t vl, int64_t d,
+inline void weighted_sum(const float* p, int64_t j0, int64_t n, float inv, const T* v, int64_t vl, int64_t d,
                          float* o) {
   int64_t e0 = 0;
   for (; e0 + 64 <= d; e0 += 64) {
     __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(o + e0 + 8 * u);
+    for (int64_t j = j0; j < n; ++j) {
       if (p[j] == 0.f) continue;
       const __m256 pj = _mm256_set1_ps(p[j] * inv);
       const T* vj = v + j * vl + e0;
@@ -148,23 +149,24 @@ inline void weighted_sum(const float* p, int64_t n, float inv, const T* v, int64
     for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + e0 + 8 * u, acc[u]);
   }
   for (int64_t e = e0; e < d; ++e) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j)
+    float acc = o[e];
+    for (int64_t j = j0; j < n; ++j)
       if (p[j] != 0.f) acc = std::fma(p[j] * inv, to_f(v[j * vl + e]), acc);
     o[e] = acc;
   }
 }
 
-// weighted_sum for RG rows at once that share their zero weights (rows of one chunk with the same
-// mask row): each value row is loaded once for all RG rows; every output element is the same
-// sequence of fmas as weighted_sum's, so the result is bit for bit what it gives row by row.
+// weighted_sum over keys [0, n) for RG rows at once that share their zero weights there (rows
+// of one chunk with the same mask row, or the keys every row of the chunk sees): each value row
+// is loaded once for all RG rows; every output element is the same sequence of fmas as
+// weighted_sum's, so the result is bit for bit what it gives row by row (o: zeros to start).
 template <int RG, typename T>
 inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float* inv, const T* v,
                               int64_t vl, int64_t d, float* o, int64_t od) {
   for (int64_t e0 = 0; e0 + 32 <= d; e0 += 32) {
     __m256 acc[RG][4];
     for (int g = 0; g < RG; ++g)
-      for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_loadu_ps(o + g * od + e0 + 8 * u);
     for (int64_t j = 0; j < n; ++j) {
       if (p[j] == 0.f) continue;  // masked for every row of the group
       const T* vj = v + j * vl + e0;
@@ -372,17 +374,36 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         }
         inv[r] = 1.f / hadd(vsum);
         sees[r] = true;
-        if (!shared) weighted_sum(sr, last + 1, inv[r], vv, vl, D, orow);
       }
-      if (!shared || last < 0 || !sees[0]) continue;  // shared rows see the same keys
-      for (int64_t r = 0; r < rn; r += 3) {
-        const float* sr = s.data() + r * Lp;
-        switch (std::min<int64_t>(3, rn - r)) {
-          case 3: weighted_sum_rows<3, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
-          case 2: weighted_sum_rows<2, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D); break;
-          default: weighted_sum_rows<1, T>(sr, Lp, last + 1, inv + r, vv, vl, D, o + r * D, D);
+      if (last < 0) continue;
+      // Keys [0, common) are seen by every row of the chunk (all of them when the rows share
+      // their mask row; a verify block's committed prefix otherwise): their values are summed for
+      // the rows together, then each row goes on alone over the keys only some rows see.
+      int64_t common = 0;
+      if (shared) {
+        common = sees[0] ? last + 1 : 0;
+      } else if (D % 32 == 0) {
+        common = last + 1;
+        for (int64_t r = 0; r < rn && common > 0; ++r) {
+          if (!sees[r]) {  // a row that sees nothing keeps its zeros
+            common = 0;
+            break;
+          }
+          const void* hole = std::memchr(mm + r * L, 0, static_cast<size_t>(common));
+          if (hole != nullptr) common = static_cast<const bool*>(hole) - (mm + r * L);
         }
       }
+      for (int64_t r = 0; common > 0 && r < rn; r += 3) {
+        const float* sr = s.data() + r * Lp;
+        switch (std::min<int64_t>(3, rn - r)) {
+          case 3: weighted_sum_rows<3, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D); break;
+          case 2: weighted_sum_rows<2, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D); break;
+          default: weighted_sum_rows<1, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D);
+        }
+      }
+      if (shared) continue;
+      for (int64_t r = 0; r < rn; ++r)
+        if (sees[r]) weighted_sum(s.data() + r * Lp, common, last + 1, inv[r], vv, vl, D, o + r * D);
     }
   });
 }
