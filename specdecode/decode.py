@@ -7,12 +7,14 @@ Contract:
   `step() -> events`; `stream()` is a thin loop over `step()`. One thread drives a decoder.
 - Up to `max_batch` requests hold cache slots; a finished or aborted request frees its slot at
   once and the next waiting one is admitted between steps. A prompt is prefilled in chunks of
-  `prefill_chunk` tokens; with `prefill_budget` set, at most that many prompt tokens are
-  prefilled per step while other requests are decoding (chunked prefill; times the number of
-  prefilling requests per running one, rounded up), so running requests keep streaming while a
-  long prompt is read.
-- Each decode step is one `step.speculate(batch)` over every running request (ragged K):
-  propose -> verify forward -> verify -> commit -> advance (step.py).
+  `prefill_chunk` tokens. While other requests decode, each prefilling request's next chunk
+  rides in the step's verify forward (`models.base.forward_packed`), at most `prefill_budget`
+  prompt tokens a step when it is set (times the number of prefilling requests per running
+  one, rounded up), else `prefill_chunk`; so running requests keep streaming while a long
+  prompt is read, and a short one costs the rows it adds to a forward. An idle decoder reads
+  every waiting prompt at once, chunks packed into forwards of up to `prefill_chunk` tokens.
+- Each decode step is one `step.speculate(batch, riders)` over every running request (ragged
+  K): propose -> verify forward -> verify -> commit -> advance (step.py).
 - Output distribution is exactly the target's (verification is lossless); at T = 0 the tokens
   equal greedy decoding. Randomness (request.py, verify.py): the target's token at output
   position t is sampled with a uniform keyed by (seed, t). Point-mass drafts (ar, n-gram) and
