@@ -162,8 +162,6 @@ def verify_forward(
         tree_mask=None if tree_mask is None else tree_mask.to(dev),
         capture=capture,
     )
-    if not riders:
-        return forward_packed(model, cache, [main])[0], []
     outs = forward_packed(model, cache, [main, *riders])
     return outs[0], outs[1:]
 
