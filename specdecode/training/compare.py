@@ -28,18 +28,16 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.training.data import collate, plan_batches
 from specdecode.training.features import TargetFeatures
-from specdecode.training.trainer import STATE, evaluate
+from specdecode.training.trainer import STATE, evaluate, read_state
 
 POSITION_OFFSET = {"medusa": 1, "mtp": 1, "draft": 1}  # acc_k -> draft position k - offset
 
 
 def load_trained(task, run_dir) -> None:
-    path = Path(run_dir) / STATE
-    if not path.is_file():
+    st = read_state(run_dir, task.method)
+    if st is None:
+        path = Path(run_dir) / STATE
         raise SpecDecodeError(f"{path} does not exist: give the --out directory of a `specdecode train` run")
-    st = torch.load(path, weights_only=True)
-    if st["method"] != task.method:
-        raise SpecDecodeError(f"{run_dir} holds a {st['method']!r} training run, not {task.method!r}")
     task.module.load_state_dict(st["module"])
 
 

@@ -104,6 +104,18 @@ def _dist() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+def read_state(out_dir, method: str) -> dict | None:
+    """The trainer state (`trainer.pt`) of the run in `out_dir`, None when it has none; a run of
+    another method is refused."""
+    path = Path(out_dir) / STATE
+    if not path.exists():
+        return None
+    st = torch.load(path, weights_only=True)  # tensors, numbers, strings: nothing to execute
+    if st["method"] != method:
+        raise SpecDecodeError(f"{out_dir} holds a {st['method']!r} training run, not {method!r}")
+    return st
+
+
 def _save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -161,10 +173,8 @@ def train(
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, wall = 0, 0.0
     state_path = out / STATE
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=True)  # tensors, numbers, strings: nothing to execute
-        if st["method"] != task.method:
-            raise SpecDecodeError(f"{out} holds a {st['method']!r} training run, not {task.method!r}")
+    st = read_state(out, task.method)
+    if st is not None:
         module.load_state_dict(st["module"])
         opt.load_state_dict(st["optimizer"])
         step, wall = st["step"], st["wall"]
