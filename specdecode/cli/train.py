@@ -1,6 +1,7 @@
 """`specdecode train METHOD` and `specdecode calibrate`: drafters fitted to a target.
 
-Contract: `train` runs a method's training task on regenerated data (resumable: rerun with the
+Contract: `train` runs a method's training task on regenerated data (several comma-separated
+methods side by side, each in OUT/<method>, one target forward per batch; resumable: rerun with the
 same --out); the method-specific flags go to that task only (`--mode native` only for mtp);
 `--offline-vs-served` compares the run in --out instead of training (training/compare.py).
 `calibrate` fits DSpark's per-position confidence temperatures on held-out prompts and writes
@@ -18,7 +19,7 @@ from specdecode.drafters import REGISTRY
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
 from specdecode.training.compare import format_rows
-from specdecode.training.run import TRAINABLE, run_comparison, run_training, trainable
+from specdecode.training.run import TRAINABLE, run_comparison, run_training, split_methods, trainable
 from specdecode.training.trainer import TrainConfig
 
 _REGEN_HELP = "directory from `specdecode data regen`"
@@ -26,7 +27,11 @@ _REGEN_HELP = "directory from `specdecode data regen`"
 
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a drafter for a target on its regenerated data (resumable)")
-    t.add_argument("method", help=", ".join(TRAINABLE))
+    t.add_argument(
+        "method",
+        help=f"{', '.join(TRAINABLE)}; several comma-separated (e.g. dspark,eagle) train side by side on the "
+        "same batches with one target forward per batch, each in OUT/<method>",
+    )
     options.add_target(t, required=True)
     options.add_data(t, _REGEN_HELP)
     options.add_out(t, "checkpoint directory (rerun to resume)")
@@ -131,9 +136,9 @@ def _per_method(dest: str) -> str:
     return "; ".join(f"{m.name}: {m.train_options[dest]}" for m in REGISTRY if dest in m.train_options)
 
 
-def _task_options(a: argparse.Namespace) -> dict:
+def _task_options(a: argparse.Namespace, method: str | None = None) -> dict:
     """The settings a method's training task takes: the flags given, else the method's defaults."""
-    record = trainable(a.method)
+    record = trainable(method or a.method)
     defaults = record.train_options if record is not None else {}  # run_training refuses the rest
     kw = {k: v if getattr(a, k) is None else getattr(a, k) for k, v in defaults.items()}
     if kw.get("mask_token_id") == "none":
@@ -159,12 +164,26 @@ def train(a: argparse.Namespace) -> None:
         bf16=a.bf16,
         stop_at=a.stop_at,
     )
+    methods = split_methods(a.method)
+    many = len(methods) > 1
     if a.offline_vs_served:
-        res = run_comparison(
-            a.method, a.target, a.data, a.out, cfg, _task_options(a), a.dtype, a.device, eval_data=a.eval_data
-        )
-        (Path(a.out) / "offline_vs_served.json").write_text(json.dumps(res, indent=1) + "\n")
-        print(format_rows(res))
+        for m in methods:
+            run_dir = Path(a.out) / m if many else Path(a.out)
+            res = run_comparison(
+                m,
+                a.target,
+                a.data,
+                run_dir,
+                cfg,
+                _task_options(a, m),
+                a.dtype,
+                a.device,
+                eval_data=a.eval_data,
+            )
+            (run_dir / "offline_vs_served.json").write_text(json.dumps(res, indent=1) + "\n")
+            if many:
+                print(f"{m} ({run_dir}):")
+            print(format_rows(res))
         return
     run_training(
         a.method,
@@ -172,13 +191,14 @@ def train(a: argparse.Namespace) -> None:
         a.data,
         a.out,
         cfg,
-        _task_options(a),
+        {m: _task_options(a, m) for m in methods} if many else _task_options(a),
         dtype=a.dtype,
         device=a.device,
         feature_cache=a.feature_cache,
         eval_data=a.eval_data,
     )
-    print(f"drafter checkpoint: {a.out}")
+    for m in methods:
+        print(f"{m} drafter checkpoint: {Path(a.out) / m}" if many else f"drafter checkpoint: {a.out}")
     if a.mode == "native":
         print(f"jointly trained target: {a.out}/target (serve the drafter with --target {a.out}/target)")
 

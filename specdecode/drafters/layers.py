@@ -18,8 +18,10 @@ Contract:
   tokenizer cannot emit masked), exactly the probabilities processing the full-vocabulary
   logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `to_target(ids)`
   maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
-- `shifted_kl(draft_logits, target_logits, loss_mask, lengths, shift)`: the distillation loss
-  every learned drafter trains with (masked KL to the target's distribution `shift` rows ahead).
+- `shifted_kl(draft, target, loss_mask, lengths, shift, head)`: the distillation loss every
+  learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
+  the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
+  computed once per step for all the shifts that read it.
 - `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's;
   `QK_NORM_NAMES` the same for the optional per-head q/k norms.
 - `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
@@ -215,28 +217,49 @@ class DraftVocab:
         return full.index_copy_(-1, self.d2t.to(q.device), q)
 
 
+class SoftTargets:
+    """The target's distribution over the draft vocabulary at every row of a batch, computed
+    once per training step for all the shifted losses that read it (fp32, no gradient)."""
+
+    @torch.no_grad()
+    def __init__(self, target_logits: torch.Tensor) -> None:  # [B, T, Vd]
+        logp = torch.log_softmax(target_logits.float(), dim=-1)
+        self.p = logp.exp()  # [B, T, Vd]
+        self.neg_entropy = (self.p * logp).sum(-1)  # [B, T]: -H(p), so KL = this - sum p log q
+        self.argmax = target_logits.argmax(-1)  # [B, T]
+
+
+def shifted_rows(loss_mask: torch.Tensor, lengths: torch.Tensor, shift: int) -> tuple[torch.Tensor, ...]:
+    """(b, t) [N] each: the rows t whose prediction, the token at t + shift + 1, is a response
+    token inside its sequence (loss_mask [B, T], lengths [B])."""
+    T = loss_mask.shape[1]
+    pos = torch.arange(T, device=loss_mask.device)
+    m = F.pad(loss_mask[:, shift + 1 :], (0, shift + 1)).bool()  # [B, T]
+    m = m & (pos[None] + shift + 1 < lengths.to(loss_mask.device)[:, None])
+    b, t = m.nonzero(as_tuple=True)
+    return b, t
+
+
 def shifted_kl(
-    draft_logits: torch.Tensor,  # [B, T, Vd]: row t predicts the token at t + shift + 1
-    target_logits: torch.Tensor,  # [B, T, Vd]: the target's logits at each position
+    draft: torch.Tensor,  # [B, T, Vd] logits, or [B, T, d] states with `head`
+    target: SoftTargets | torch.Tensor,  # the target at each row (or its [B, T, Vd] logits)
     loss_mask: torch.Tensor,  # [B, T] 1 where the token at t is a response token
     lengths: torch.Tensor,  # [B] valid rows
     shift: int,
+    head=None,  # [N, d] -> [N, Vd]: applied to the loss rows only
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked mean KL(target || drafter) and argmax agreement for predictions `shift` rows ahead.
-
-    The target's distribution for the token at t + shift + 1 is its output at row t + shift; rows
-    count where that token is a response token inside the sequence. KL = soft CE - H(target): the
-    same gradient as the soft cross-entropy, and 0 for a perfect drafter.
-    """
-    T = draft_logits.shape[1]
-    pos = torch.arange(T, device=draft_logits.device)
-    tgt = F.pad(target_logits[:, shift:], (0, 0, 0, shift))  # [B, T, Vd]
-    m = F.pad(loss_mask[:, shift + 1 :], (0, shift + 1)).float()  # [B, T]
-    m = m * (pos[None] + shift + 1 < lengths[:, None]).float()
-    logq = torch.log_softmax(draft_logits.float(), dim=-1)
-    p = torch.softmax(tgt.float(), dim=-1)
-    kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)  # [B, T]
-    n = m.sum().clamp(min=1.0)
+    """Mean KL(target || drafter) and argmax agreement over the rows that predict a response
+    token `shift` rows ahead: row t's draft for the token at t + shift + 1 is checked against the
+    target's output at row t + shift. KL = soft CE - H(target): the same gradient as the soft
+    cross-entropy, and 0 for a perfect drafter. Only those rows are projected and normalised."""
+    soft = target if isinstance(target, SoftTargets) else SoftTargets(target)
+    b, t = shifted_rows(loss_mask, lengths, shift)
+    if len(b) == 0:  # nothing to learn from this batch at this shift; keep the graph
+        return draft.sum() * 0.0, torch.zeros(())
+    x = draft[b, t]  # [N, Vd] or [N, d]
+    logq = torch.log_softmax((head(x) if head is not None else x).float(), dim=-1)  # [N, Vd]
+    ts = t + shift
+    kl = soft.neg_entropy[b, ts] - (soft.p[b, ts] * logq).sum(-1)  # [N]
     with torch.no_grad():
-        acc = ((logq.argmax(-1) == p.argmax(-1)).float() * m).sum() / n
-    return (kl * m).sum() / n, acc
+        acc = (logq.argmax(-1) == soft.argmax[b, ts]).float().mean()
+    return kl.mean(), acc

@@ -19,6 +19,12 @@ Contract:
   speculative loop (greedy, fixed K) on held-out prompts and logs the served tau. Metrics
   (losses, accuracies, gradient norm, training tokens/s over all ranks) go to
   out_dir/log.jsonl and the progress bar.
+- `train_many([(task, cfg), ...], target, seqs, eval_prompts)`: several tasks side by side on
+  the same batches (`specdecode train A,B,...`): runs at the same step read one forward of the
+  frozen target over the union of their feature layers, so each pays a share of it; each keeps
+  its own optimiser, schedule, checkpoints, log and clock (its share of the target forward plus
+  its own work) in its own out_dir, and resumes on its own. The configs must cut batches alike
+  (tokens_per_batch, max_len, seed, grad_accum). `train(task, ...)` is the one-task case.
 - Distributed: under torchrun (WORLD_SIZE > 1) it joins a process group (gloo on CPU, nccl on
   CUDA), wraps the module in DistributedDataParallel and gives rank r every world-th batch;
   rank 0 writes checkpoints, logs and evaluates.
@@ -147,6 +153,26 @@ def evaluate(drafter, target, prompts: list[list[int]], num_draft: int, max_new_
     }
 
 
+@dataclass
+class _Run:
+    """One method's training inside `train_many`: its module, optimiser, step and clock."""
+
+    task: TrainTask
+    cfg: TrainConfig
+    out: Path
+    model: torch.nn.Module  # the module, or its DDP wrapper
+    params: list
+    opt: torch.optim.Optimizer
+    step: int = 0
+    wall: float = 0.0
+    stopped: bool = False
+    last: dict = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return not self.stopped and self.step < self.cfg.steps
+
+
 def train(
     task: TrainTask,
     target,
@@ -157,33 +183,44 @@ def train(
     progress: bool = True,
 ) -> dict:
     """Train `task.module` on `seqs` (see module docstring); returns the final log record."""
+    return train_many([(task, cfg)], target, seqs, eval_prompts, features, progress)[0]
+
+
+def _check_shared(cfgs: list[TrainConfig]) -> None:
+    """Runs that share batches must cut them alike."""
+    for name in ("tokens_per_batch", "max_len", "seed", "grad_accum"):
+        values = {getattr(c, name) for c in cfgs}
+        if len(values) > 1:
+            flag = "--" + name.replace("_", "-")
+            raise SpecDecodeError(f"methods trained together must share {flag}, got {values}")
+    outs = [str(Path(c.out_dir).resolve()) for c in cfgs]
+    if len(set(outs)) != len(outs):
+        raise SpecDecodeError(f"methods trained together need one output directory each, got {outs}")
+
+
+def train_many(
+    jobs: list[tuple[TrainTask, TrainConfig]],
+    target,
+    seqs: list,
+    eval_prompts: list[list[int]] | None = None,
+    features=None,
+    progress: bool = True,
+) -> list[dict]:
+    """Train several tasks side by side on the same batches (see module docstring): runs at the
+    same step read one feature forward of the frozen target (the union of their layers); each
+    keeps its own optimiser, schedule, clock, checkpoints and log in its own out_dir."""
     rank, world = _dist()
-    out = Path(cfg.out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    cfgs = [cfg for _, cfg in jobs]
+    _check_shared(cfgs)
+    base = cfgs[0]
+    torch.manual_seed(base.seed)
+    layers = tuple(dict.fromkeys(layer for task, _ in jobs for layer in task.feature_layers))
     if features is None:
-        features = TargetFeatures(target, task.feature_layers) if task.feature_layers else (lambda b: {})
-    module = task.module
-    model = module
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(module)
-    params = [p for p in module.parameters() if p.requires_grad]
-    groups = task.param_groups() if hasattr(task, "param_groups") else [{"params": params, "lr_scale": 1.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, wall = 0, 0.0
-    state_path = out / STATE
-    st = read_state(out, task.method)
-    if st is not None:
-        module.load_state_dict(st["module"])
-        opt.load_state_dict(st["optimizer"])
-        step, wall = st["step"], st["wall"]
-        torch.set_rng_state(st["rng"])
-        if rank == 0:
-            print(f"resuming {task.method} training from step {step} ({out / STATE})")
+        features = TargetFeatures(target, layers) if layers else (lambda b: {})
+    runs = [_start_run(task, cfg, rank, world) for task, cfg in jobs]
     lengths = [len(s.input_ids) for s in seqs]
     # Every epoch packs the same sorted lengths, so it holds the same number of batches.
-    per_epoch = len(plan_batches(lengths, cfg.tokens_per_batch, cfg.seed, 0))
+    per_epoch = len(plan_batches(lengths, base.tokens_per_batch, base.seed, 0))
     plans: dict[int, list[list[int]]] = {}
 
     def batch_at(cursor: int) -> dict:
@@ -191,120 +228,174 @@ def train(
         e, i = divmod(cursor, per_epoch)
         if e not in plans:
             plans.clear()
-            plans[e] = plan_batches(lengths, cfg.tokens_per_batch, cfg.seed, e)
+            plans[e] = plan_batches(lengths, base.tokens_per_batch, base.seed, e)
         idx = plans[e][i]
         b = collate([seqs[j] for j in idx])
         b["index"] = torch.tensor(idx)
         return b
 
-    def save(final: bool = False) -> None:
+    def save(r: _Run, final: bool = False) -> None:
         if rank != 0:
             return
         meta = {
-            "steps": step,
-            "wall_clock_s": round(wall, 1),
+            "steps": r.step,
+            "wall_clock_s": round(r.wall, 1),
             "num_sequences": len(seqs),
             "num_tokens": sum(lengths),
-            "config": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
+            "config": {k: v for k, v in asdict(r.cfg).items() if k != "out_dir"},
             "world_size": world,
             "final": final,
-            **(task.training_meta() if hasattr(task, "training_meta") else {}),
+            "trained_with": [t.method for t, _ in jobs],
+            **(r.task.training_meta() if hasattr(r.task, "training_meta") else {}),
         }
-        if hasattr(task, "save_extra"):
-            task.save_extra()
-        save_checkpoint(out, task.method, task.arch(), task.checkpoint_state(), target, training=meta)
+        if hasattr(r.task, "save_extra"):
+            r.task.save_extra()
+        save_checkpoint(r.out, r.task.method, r.task.arch(), r.task.checkpoint_state(), target, training=meta)
         _save_atomic(
             {
-                "method": task.method,
-                "module": module.state_dict(),
-                "optimizer": opt.state_dict(),
-                "step": step,
-                "wall": wall,
+                "method": r.task.method,
+                "module": r.task.module.state_dict(),
+                "optimizer": r.opt.state_dict(),
+                "step": r.step,
+                "wall": r.wall,
                 "rng": torch.get_rng_state(),
             },
-            state_path,
+            r.out / STATE,
         )
 
-    def log(rec: dict) -> None:
+    def log(r: _Run, rec: dict) -> None:
         if rank == 0:
-            with (out / "log.jsonl").open("a") as f:
+            with (r.out / "log.jsonl").open("a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-    def run_eval() -> dict:
+    def run_eval(r: _Run) -> dict:
         if rank != 0 or not eval_prompts:
             return {}
-        module.eval()
-        tgt = task.eval_target() if hasattr(task, "eval_target") else target
-        r = evaluate(task.make_drafter(), tgt, eval_prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
-        module.train()
-        return {"eval_tau": round(r["tau"], 3), "eval_acceptance": [round(a, 3) for a in r["acceptance"]]}
+        r.task.module.eval()
+        tgt = r.task.eval_target() if hasattr(r.task, "eval_target") else target
+        cfg = r.cfg
+        ev = evaluate(r.task.make_drafter(), tgt, eval_prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
+        r.task.module.train()
+        return {"eval_tau": round(ev["tau"], 3), "eval_acceptance": [round(a, 3) for a in ev["acceptance"]]}
 
-    module.train()
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        desc=f"train {task.method}",
-        disable=not progress or rank != 0,
-        dynamic_ncols=True,
-    )
-    last: dict = {}
-    dev = next(module.parameters()).device
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)
-        logs_acc: dict[str, float] = {}
-        tokens = 0  # real (unpadded) tokens this step, for the tokens/s figure
-        for micro in range(cfg.grad_accum):
-            batch = batch_at((step * cfg.grad_accum + micro) * world + rank)
-            tokens += int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
-            feats = {k: v.to(dev) for k, v in features(batch).items()}
-            batch = {k: v.to(dev) for k, v in batch.items()}
-            sync = world == 1 or micro == cfg.grad_accum - 1
-            ctx = model.no_sync() if not sync else _null()
-            with ctx, torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, logs = model(batch, feats)
-                (loss / cfg.grad_accum).backward()
-            for k, v in logs.items():
-                logs_acc[k] = logs_acc.get(k, 0.0) + v / cfg.grad_accum
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        wall += time.perf_counter() - t0
-        bar.update(1)
-        rec = {
-            "step": step,
-            "lr": lr_at(step - 1, cfg),
-            "grad_norm": round(float(gnorm), 4),
-            "tok_s": round(tokens * world / (time.perf_counter() - t0), 1),
-            **{k: round(v, 4) for k, v in logs_acc.items()},
-        }
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            bar.set_postfix({k: rec[k] for k in list(logs_acc)[:4]})
-            log(rec)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            ev = run_eval()
-            if ev:
-                log({"step": step, **ev})
-                bar.write(f"step {step}: served tau {ev['eval_tau']} acceptance {ev['eval_acceptance']}")
-        if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            save()
-        last = rec
-        if cfg.stop_at is not None and step >= cfg.stop_at and step < cfg.steps:
-            save()
-            bar.close()
-            return {**last, "stopped_at": step, "wall_clock_s": wall}
-    bar.close()
-    ev = run_eval()
-    if ev:
-        log({"step": step, **ev})
-        if rank == 0:
-            print(f"final served tau {ev['eval_tau']} acceptance {ev['eval_acceptance']}")
-    save(final=True)
+    bars = {
+        id(r): tqdm(
+            total=r.cfg.steps,
+            initial=r.step,
+            desc=f"train {r.task.method}",
+            position=i,
+            disable=not progress or rank != 0,
+            dynamic_ncols=True,
+        )
+        for i, r in enumerate(runs)
+    }
+    while any(r.active for r in runs):
+        active = [r for r in runs if r.active]
+        spent = {id(r): 0.0 for r in active}  # seconds charged to each run this step
+        tokens = {id(r): 0 for r in active}  # real (unpadded) tokens, for the tokens/s figure
+        logs_acc: dict[int, dict[str, float]] = {id(r): {} for r in active}
+        for r in active:
+            for g in r.opt.param_groups:
+                g["lr"] = lr_at(r.step, r.cfg) * g.get("lr_scale", 1.0)
+        for micro in range(base.grad_accum):
+            by_cursor: dict[int, list[_Run]] = {}
+            for r in active:
+                by_cursor.setdefault((r.step * base.grad_accum + micro) * world + rank, []).append(r)
+            for cursor, group in by_cursor.items():
+                t0 = time.perf_counter()
+                batch = batch_at(cursor)
+                n_tok = int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
+                dev = next(group[0].task.module.parameters()).device
+                feats = {k: v.to(dev) for k, v in features(batch).items()}
+                batch = {k: v.to(dev) for k, v in batch.items()}
+                share = (time.perf_counter() - t0) / len(group)  # the target's forward, split evenly
+                for r in group:
+                    t1 = time.perf_counter()
+                    sync = world == 1 or micro == base.grad_accum - 1
+                    ctx = r.model.no_sync() if not sync else _null()
+                    with ctx, torch.autocast(dev.type, dtype=torch.bfloat16, enabled=r.cfg.bf16):
+                        loss, logs = r.model(batch, {k: feats[k] for k in r.task.feature_layers})
+                        (loss / base.grad_accum).backward()
+                    acc = logs_acc[id(r)]
+                    for k, v in logs.items():
+                        acc[k] = acc.get(k, 0.0) + v / base.grad_accum
+                    spent[id(r)] += share + time.perf_counter() - t1
+                    tokens[id(r)] += n_tok
+        for r in active:
+            t1 = time.perf_counter()
+            gnorm = torch.nn.utils.clip_grad_norm_(r.params, r.cfg.clip)
+            r.opt.step()
+            r.opt.zero_grad(set_to_none=True)
+            r.step += 1
+            took = spent[id(r)] + time.perf_counter() - t1
+            r.wall += took
+            bars[id(r)].update(1)
+            rec = {
+                "step": r.step,
+                "lr": lr_at(r.step - 1, r.cfg),
+                "grad_norm": round(float(gnorm), 4),
+                "tok_s": round(tokens[id(r)] * world / took, 1),
+                **{k: round(v, 4) for k, v in logs_acc[id(r)].items()},
+            }
+            if r.step % r.cfg.log_every == 0 or r.step == r.cfg.steps:
+                bars[id(r)].set_postfix({k: rec[k] for k in list(logs_acc[id(r)])[:4]})
+                log(r, rec)
+            if r.cfg.eval_every and r.step % r.cfg.eval_every == 0 and r.step < r.cfg.steps:
+                ev = run_eval(r)
+                if ev:
+                    log(r, {"step": r.step, **ev})
+                    bars[id(r)].write(f"{r.task.method} step {r.step}: {_served(ev)}")
+            if r.step % r.cfg.checkpoint_every == 0 and r.step < r.cfg.steps:
+                save(r)
+            r.last = rec
+            if r.cfg.stop_at is not None and r.step >= r.cfg.stop_at and r.step < r.cfg.steps:
+                save(r)
+                r.stopped = True
+                r.last = {**rec, "stopped_at": r.step, "wall_clock_s": r.wall}
+    for bar in bars.values():
+        bar.close()
+    results = []
+    for r in runs:
+        if r.stopped:
+            results.append(r.last)
+            continue
+        ev = run_eval(r)
+        if ev:
+            log(r, {"step": r.step, **ev})
+            if rank == 0:
+                print(f"{r.task.method}: final {_served(ev)}")
+        save(r, final=True)
+        results.append({**r.last, **ev, "wall_clock_s": r.wall})
     if world > 1:
         dist.barrier()
-    return {**last, **ev, "wall_clock_s": wall}
+    return results
+
+
+def _served(ev: dict) -> str:
+    return f"served tau {ev['eval_tau']} acceptance {ev['eval_acceptance']}"
+
+
+def _start_run(task: TrainTask, cfg: TrainConfig, rank: int, world: int) -> _Run:
+    """A run's optimiser over its task's parameters, resumed from `trainer.pt` when out_dir has one."""
+    out = Path(cfg.out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    module = task.module
+    model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = task.param_groups() if hasattr(task, "param_groups") else [{"params": params, "lr_scale": 1.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    run = _Run(task, cfg, out, model, params, opt)
+    st = read_state(out, task.method)
+    if st is not None:
+        module.load_state_dict(st["module"])
+        opt.load_state_dict(st["optimizer"])
+        run.step, run.wall = st["step"], st["wall"]
+        torch.set_rng_state(st["rng"])
+        if rank == 0:
+            print(f"resuming {task.method} training from step {run.step} ({out / STATE})")
+    module.train()
+    return run
 
 
 class _null:

@@ -207,7 +207,10 @@ class DFlash(nn.Module):
 
     def logits(self, states: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         """[.., d] final states -> [.., Vd] logits with the frozen target head rows [Vd, d]."""
-        return states @ head_w.T.to(states.dtype)
+        # One [N, d] x [d, Vd] product: a strided N-D `states` (the DFlash slice past the anchor)
+        # would make matmul broadcast the head to every batch row instead (a [N, d, Vd] copy).
+        flat = states.reshape(-1, states.shape[-1])  # [N, d]
+        return (flat @ head_w.T.to(states.dtype)).view(*states.shape[:-1], -1)
 
 
 def to_draft_ids(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,9 @@ class DistillLoss(nn.Module):
         with torch.no_grad():
             target_logits = feats[FINAL_NORM].float() @ w.T  # [B, T, Vd]
         # Row t predicts token t+1: train where that token is a response token.
-        loss, acc = shifted_kl(h @ w.T, target_logits, batch["loss_mask"], batch["lengths"], shift=0)
+        loss, acc = shifted_kl(
+            h, target_logits, batch["loss_mask"], batch["lengths"], shift=0, head=lambda x: x @ w.T
+        )
         return loss, {"loss_1": float(loss.detach()), "acc_1": float(acc)}
 
 

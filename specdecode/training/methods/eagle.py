@@ -23,7 +23,7 @@ from torch import nn
 from specdecode.drafter import Drafter
 from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
 from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_forward
-from specdecode.drafters.layers import shifted_kl
+from specdecode.drafters.layers import SoftTargets, shifted_kl
 from specdecode.models.base import FINAL_NORM
 from specdecode.training.vocab import draft_vocabulary
 
@@ -41,9 +41,10 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, dict]:
     """Training-time-test loss (see module docstring); returns (loss, {"acc_j": ..., "loss_j": ...})."""
     total, weight_sum, logs = 0.0, 0.0, {}
+    soft = SoftTargets(target_logits)  # once for all the steps
     for j, out in enumerate(ttt_forward(model, embed, feats, input_ids, lengths, num_steps)):
         # Row t's prediction (x_{t+2+j}) is checked against the target's logits at t+1+j.
-        step_loss, acc = shifted_kl(model.logits(out), target_logits, loss_mask, lengths, shift=1 + j)
+        step_loss, acc = shifted_kl(out, soft, loss_mask, lengths, shift=1 + j, head=model.logits)
         total = total + decay**j * step_loss
         weight_sum += decay**j
         logs[f"loss_{j}"], logs[f"acc_{j}"] = float(step_loss.detach()), float(acc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.drafters.layers import shifted_kl
+from specdecode.drafters.layers import SoftTargets, shifted_kl
 from specdecode.drafters.medusa.drafter import MedusaDrafter
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.models.base import FINAL_NORM
@@ -32,9 +32,10 @@ def medusa_loss(
 ) -> tuple[torch.Tensor, dict]:
     logits = model(h)  # [B, T, K, Vd]
     total, wsum, logs = 0.0, 0.0, {}
+    soft = SoftTargets(target_logits)  # once for all the heads
     for k in range(1, model.cfg.num_heads + 1):
         # Head k at row t predicts x_{t+k+1}; the target's distribution for it sits at row t+k.
-        step, acc = shifted_kl(logits[:, :, k - 1], target_logits, loss_mask, lengths, shift=k)
+        step, acc = shifted_kl(logits[:, :, k - 1], soft, loss_mask, lengths, shift=k)
         total = total + decay**k * step
         wsum += decay**k
         logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.layers import shifted_kl, target_shape
+from specdecode.drafters.layers import SoftTargets, shifted_kl, target_shape
 from specdecode.drafters.mtp.drafter import MTPDrafter
 from specdecode.drafters.mtp.model import MTP, MTPConfig, mtp_forward
 from specdecode.errors import SpecDecodeError
@@ -47,9 +47,10 @@ def mtp_loss(model: MTP, embed, h0, target_logits, input_ids, loss_mask, lengths
     """(lambda / D) sum_k KL at each depth; returns (loss, logs)."""
     total, logs = 0.0, {}
     outs = mtp_forward(model, embed, h0, input_ids, lengths)
+    soft = SoftTargets(target_logits)  # once for all the depths
     for k, h in enumerate(outs, start=1):
         # Module k at row i predicts t_{i+k+1}; the target's distribution for it sits at row i+k.
-        step, acc = shifted_kl(model.logits(k, h), target_logits, loss_mask, lengths, shift=k)
+        step, acc = shifted_kl(h, soft, loss_mask, lengths, shift=k, head=lambda x, k=k: model.logits(k, x))
         total = total + step
         logs[f"loss_{k}"], logs[f"acc_{k}"] = float(step.detach()), float(acc)
     return weight * total / len(outs), logs

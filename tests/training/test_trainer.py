@@ -1,0 +1,90 @@
+"""Methods trained side by side (`specdecode train A,B`, trainer.train_many): one target forward
+per step for all, and the same weights as each trained alone, also across a resume."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.training.features import TargetFeatures
+from specdecode.training.regen import regenerate
+from specdecode.training.run import run_training
+from specdecode.training.trainer import TrainConfig
+
+KW = {"eagle": {"draft_vocab_size": 128, "ttt_steps": 2}, "medusa": {"draft_vocab_size": 128, "num_heads": 2}}
+
+
+@pytest.fixture(scope="module")
+def data(tiny_llama_dir, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("pair_prompts")
+    with (prompts / "train.jsonl").open("w") as f:
+        for i in range(16):
+            msg = [{"role": "user", "content": f"name the rivers and the hills number {i}"}]
+            f.write(json.dumps({"id": f"t{i}", "messages": msg}) + "\n")
+    out = tmp_path_factory.mktemp("pair_regen")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    regenerate(target, prompts, out, splits=("train",), max_new_tokens=24, batch_size=16, progress=False)
+    return target, out
+
+
+def cfg(out, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out), steps=6, lr=3e-3, warmup_steps=2, tokens_per_batch=256, eval_prompts=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def weights(run_dir) -> dict:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def test_methods_trained_together_match_each_alone_with_one_target_forward_a_step(
+    data, tmp_path, monkeypatch
+):
+    target, regen = data
+    calls = []
+    forward = TargetFeatures.__call__
+    monkeypatch.setattr(
+        TargetFeatures, "__call__", lambda self, b: calls.append(self.layers) or forward(self, b)
+    )
+    both = tmp_path / "both"
+    res = run_training("eagle,medusa", target, regen, both, cfg(both), KW, progress=False)
+    assert len(res) == 2 and all(r["step"] == 6 for r in res)
+    assert len(calls) == 6  # one feature forward per step, read by both losses
+    assert set(calls[0]) >= {
+        -1,
+        *json.loads((both / "eagle" / "config.json").read_text())["arch"]["feature_layers"],
+    }
+    for m in KW:
+        calls.clear()
+        run_training(m, target, regen, tmp_path / m, cfg(tmp_path / m), KW[m], progress=False)
+        assert len(calls) == 6
+        alone, together = weights(tmp_path / m), weights(both / m)
+        assert alone.keys() == together.keys()
+        for k in alone:
+            torch.testing.assert_close(together[k], alone[k], rtol=0, atol=0, msg=f"{m}: {k}")
+        card = json.loads((both / m / "config.json").read_text())["training"]
+        assert card["trained_with"] == ["eagle", "medusa"] and card["steps"] == 6
+
+
+def test_methods_trained_together_resume_to_the_same_weights(data, tmp_path):
+    target, regen = data
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_training("eagle,medusa", target, regen, full, cfg(full), KW, progress=False)
+    stopped = run_training("eagle,medusa", target, regen, cut, cfg(cut, stop_at=3), KW, progress=False)
+    assert [r["stopped_at"] for r in stopped] == [3, 3]
+    run_training("eagle,medusa", target, regen, cut, cfg(cut), KW, progress=False)
+    for m in KW:
+        a, b = weights(full / m), weights(cut / m)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=f"{m}: {k}")
+
+
+def test_methods_trained_together_refuse_what_they_cannot_share(data, tmp_path):
+    target, regen = data
+    with pytest.raises(SpecDecodeError, match="once"):
+        run_training("eagle,eagle", target, regen, tmp_path, cfg(tmp_path), KW, progress=False)
+    mtp_native = {**KW, "mtp": {"draft_vocab_size": 128, "mode": "native"}}
+    with pytest.raises(SpecDecodeError, match="on its own"):
+        run_training("eagle,mtp", target, regen, tmp_path, cfg(tmp_path), mtp_native, progress=False)
