@@ -53,7 +53,19 @@ def add_parsers(sub) -> None:
     t.add_argument("--feature-cache", default=None, help="directory to cache target features on disk")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
     options.add_seed(t)
+    t.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this drafter checkpoint's weights (fresh optimiser and schedule; several methods: "
+        "a directory with one checkpoint per method, DIR/<method>); ignored when --out resumes",
+    )
     t.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (resume later)")
+    t.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="minutes: save and stop after the step that passes this much training time (resume later)",
+    )
     t.add_argument(
         "--offline-vs-served",
         action="store_true",
@@ -163,6 +175,7 @@ def train(a: argparse.Namespace) -> None:
         seed=a.seed,
         bf16=a.bf16,
         stop_at=a.stop_at,
+        time_limit_s=None if a.time_limit is None else 60 * a.time_limit,
     )
     methods = split_methods(a.method)
     many = len(methods) > 1
@@ -196,6 +209,7 @@ def train(a: argparse.Namespace) -> None:
         device=a.device,
         feature_cache=a.feature_cache,
         eval_data=a.eval_data,
+        init_from=a.init_from,
     )
     for m in methods:
         print(f"{m} drafter checkpoint: {Path(a.out) / m}" if many else f"drafter checkpoint: {a.out}")

@@ -16,6 +16,7 @@ the MTP options selects joint training of the target (`MTPNativeTask`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from specdecode.drafter import Method
 from specdecode.drafters import REGISTRY
+from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
@@ -30,7 +32,7 @@ from specdecode.training.compare import compare, load_trained
 from specdecode.training.data import load_sequences
 from specdecode.training.features import FeatureCache
 from specdecode.training.methods import TASKS, MTPNativeTask
-from specdecode.training.trainer import train_many
+from specdecode.training.trainer import read_state, train_many
 
 TRAINABLE = tuple(m.task for m in REGISTRY if m.task is not None)
 
@@ -58,7 +60,7 @@ def _load(target_spec, data_dir, cfg, dtype, device):
     return target, load_sequences(data_dir, "train", cfg.max_len, target.fingerprint)
 
 
-def _make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache=None):
+def make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache=None):
     """The method's training task (the shared checks first)."""
     task_cls = task_class(method)
     kw = dict(method_kw or {})
@@ -78,7 +80,25 @@ def _make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache=None
 def _prepare(method, target_spec, data_dir, out_dir, cfg, method_kw, dtype, device, feature_cache=None):
     """The target, the training sequences and the method's task."""
     target, seqs = _load(target_spec, data_dir, cfg, dtype, device)
-    return target, seqs, _make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache)
+    return target, seqs, make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache)
+
+
+def warm_start(task, path, target) -> None:
+    """Start `task`'s drafter from the checkpoint in `path`: its weights (and draft vocabulary),
+    with a fresh optimiser and schedule. Another method, target or architecture is refused."""
+    arch, state = load_checkpoint(path, task.method, target)
+    own = task.checkpoint_state()
+    mine = json.loads(json.dumps(task.arch()))  # tuples as the checkpoint's JSON lists
+    if mine != arch or own.keys() != state.keys():
+        diff = ", ".join(sorted(k for k in {**arch, **mine} if arch.get(k) != mine.get(k))) or "tensors"
+        raise SpecDecodeError(
+            f"--init-from {path}: its {task.method} drafter has another architecture ({diff}); "
+            "train with the options it was made with, or drop --init-from"
+        )
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(state[k])
+    task.init_from = str(path)
 
 
 def split_methods(method) -> list[str]:
@@ -109,10 +129,13 @@ def run_training(
     feature_cache: str | None = None,
     progress: bool = True,
     eval_data=None,
+    init_from=None,
 ) -> dict | list[dict]:
     """Train one method into out_dir, or several (`"dspark,eagle"`) side by side on the same
     batches, one target feature forward per batch for all (`trainer.train_many`), each into
-    out_dir/<method> with its own `method_kw[method]`; returns the final log (one per method)."""
+    out_dir/<method> with its own `method_kw[method]`; returns the final log (one per method).
+    `init_from`: a drafter checkpoint to start from (several methods: a directory holding one per
+    method, init_from/<method>), weights only (`warm_start`); a run that resumes ignores it."""
     methods = split_methods(method)
     many = len(methods) > 1
     target, seqs = _load(target_spec, data_dir, cfg, dtype, device)
@@ -122,7 +145,10 @@ def run_training(
         kw = (method_kw or {}).get(m) if many else method_kw
         if many and (kw or {}).get("mode", "frozen") != "frozen":
             raise SpecDecodeError("native MTP training runs the target itself: train it on its own")
-        task = _make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
+        task = make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
+        if init_from is not None and read_state(m_cfg.out_dir, m) is None:
+            warm_start(task, Path(init_from) / m if many else Path(init_from), target)
+            print(f"{m}: starting from the weights of {task.init_from}")
         if getattr(task, "coverage", None) is not None:
             print(f"{m}: draft vocabulary covers {task.coverage:.1%} of the response tokens")
         jobs.append((task, m_cfg))

@@ -14,7 +14,8 @@ Contract:
   `min_lr_ratio`, gradient clipping, optional bf16 autocast, gradient accumulation. Every
   `checkpoint_every` steps (and at the end) it writes the drafter checkpoint (config.json +
   model.safetensors, loadable by the drafter) and `trainer.pt` (fp32 weights, optimiser,
-  step, RNG) atomically; a rerun with the same out_dir resumes from `trainer.pt` and walks the
+  step, RNG) atomically (also at `stop_at` or past `time_limit_s`, as if killed there); a rerun
+  with the same out_dir resumes from `trainer.pt` and walks the
   same batches the killed run would have. Every `eval_every` steps it runs the real
   speculative loop (greedy, fixed K) on held-out prompts and logs the served tau. Metrics
   (losses, accuracies, gradient norm, training tokens/s over all ranks) go to
@@ -85,12 +86,15 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False  # autocast the drafter's forward in bf16
     stop_at: int | None = None  # save and return after this step, as if killed (time-boxed runs)
+    time_limit_s: float | None = None  # save and return after the step that passes this wall time
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "tokens_per_batch", "max_len", "checkpoint_every", "log_every"):
             if getattr(self, name) < 1:
                 raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.time_limit_s is not None and not self.time_limit_s >= 0:
+            raise SpecDecodeError(f"--time-limit must be >= 0 minutes, got {self.time_limit_s / 60}")
         if not self.lr > 0:
             raise SpecDecodeError(f"--lr must be > 0, got {self.lr}")
 
@@ -246,6 +250,7 @@ def train_many(
             "world_size": world,
             "final": final,
             "trained_with": [t.method for t, _ in jobs],
+            **({"init_from": r.task.init_from} if getattr(r.task, "init_from", None) else {}),
             **(r.task.training_meta() if hasattr(r.task, "training_meta") else {}),
         }
         if hasattr(r.task, "save_extra"):
@@ -289,6 +294,7 @@ def train_many(
         )
         for i, r in enumerate(runs)
     }
+    started = time.perf_counter()
     while any(r.active for r in runs):
         active = [r for r in runs if r.active]
         spent = {id(r): 0.0 for r in active}  # seconds charged to each run this step
@@ -348,7 +354,11 @@ def train_many(
             if r.step % r.cfg.checkpoint_every == 0 and r.step < r.cfg.steps:
                 save(r)
             r.last = rec
-            if r.cfg.stop_at is not None and r.step >= r.cfg.stop_at and r.step < r.cfg.steps:
+            out_of_time = (
+                r.cfg.time_limit_s is not None and time.perf_counter() - started > r.cfg.time_limit_s
+            )
+            at_stop = r.cfg.stop_at is not None and r.step >= r.cfg.stop_at
+            if (at_stop or out_of_time) and r.step < r.cfg.steps:
                 save(r)
                 r.stopped = True
                 r.last = {**rec, "stopped_at": r.step, "wall_clock_s": r.wall}

@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
+from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
 from specdecode.training.regen import regenerate
-from specdecode.training.run import run_training
+from specdecode.training.run import make_task, run_training, warm_start
 from specdecode.training.trainer import TrainConfig
 
 KW = {"eagle": {"draft_vocab_size": 128, "ttt_steps": 2}, "medusa": {"draft_vocab_size": 128, "num_heads": 2}}
@@ -88,3 +89,44 @@ def test_methods_trained_together_refuse_what_they_cannot_share(data, tmp_path):
     mtp_native = {**KW, "mtp": {"draft_vocab_size": 128, "mode": "native"}}
     with pytest.raises(SpecDecodeError, match="on its own"):
         run_training("eagle,mtp", target, regen, tmp_path, cfg(tmp_path), mtp_native, progress=False)
+
+
+def test_a_time_limit_saves_and_stops_like_a_kill(data, tmp_path):
+    target, regen = data
+    out = tmp_path / "boxed"
+    res = run_training("eagle", target, regen, out, cfg(out, time_limit_s=0.0), KW["eagle"], progress=False)
+    assert res["stopped_at"] == 1 and (out / "trainer.pt").exists()
+    res = run_training("eagle", target, regen, out, cfg(out), KW["eagle"], progress=False)
+    assert res["step"] == 6
+
+
+def test_init_from_starts_each_method_from_a_checkpoint_and_refuses_another_architecture(data, tmp_path):
+    target, regen = data
+    first = tmp_path / "first"
+    run_training("eagle,medusa", target, regen, first, cfg(first), KW, progress=False)
+    for m in KW:  # the warm-started task holds exactly the checkpoint's weights
+        task = make_task(
+            m, target, load_sequences(regen, "train", 512, target.fingerprint), tmp_path, cfg(tmp_path), KW[m]
+        )
+        warm_start(task, first / m, target)
+        saved = weights(first / m)
+        for k, t in task.checkpoint_state().items():
+            torch.testing.assert_close(t.to(saved[k].dtype), saved[k], rtol=0, atol=0, msg=f"{m}: {k}")
+    second = tmp_path / "second"
+    run_training(
+        "eagle,medusa", target, regen, second, cfg(second, steps=2), KW, progress=False, init_from=first
+    )
+    card = json.loads((second / "eagle" / "config.json").read_text())["training"]
+    assert card["init_from"] == str(first / "eagle")
+    other = {**KW["eagle"], "draft_vocab_size": 64}
+    with pytest.raises(SpecDecodeError, match="draft_vocab_size"):
+        run_training(
+            "eagle",
+            target,
+            regen,
+            tmp_path / "x",
+            cfg(tmp_path / "x"),
+            other,
+            progress=False,
+            init_from=first / "eagle",
+        )
