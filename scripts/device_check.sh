@@ -7,7 +7,9 @@
 # Trained-drafter figures on the GPU need the target's weights: carry a bf16 safetensors copy
 # split in two halves over two calls while the machine is warm, or measure them on the CPU.
 #
+#   here:         bash scripts/device_train.sh stash     # the tracked tree is ~135 MB; the tool carries 64 MiB
 #   device tool:  run  command="bash scripts/device_check.sh"  timeout_s=540
+#   here:         bash scripts/device_train.sh restore   # the shipped drafter weights back
 #
 # The machine has its own Python with torch (CUDA), transformers, tokenizers, safetensors,
 # scipy and pytest and no network: this package runs from the working tree (PYTHONPATH).

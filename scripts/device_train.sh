@@ -11,6 +11,8 @@
 #   device:  run command="bash scripts/device_train.sh train"   carry=[".device/payload-3"]   timeout_s=590
 #   here:    bash scripts/device_train.sh restore FILES_AT   # drafter weights back into the tree;
 #                                                           # the GPU checkpoints into runs/train/gpu-*
+# (`stash` alone moves the drafter weights out, `restore` alone puts them back: any device call,
+# scripts/device_check.sh too, needs the tree under 64 MiB.)
 #
 # Call the three device runs back to back (each within 30 s of the last, or the machine goes back
 # and the parts are lost). `train` assembles and checks the GGUF, converts it with transformers
@@ -53,12 +55,16 @@ print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
     cp "$src/config.json" "$src/model.safetensors" "$DEV/payload-$i/init/$m/"
     i=$((i % 2 + 1))
   done
-  # the tracked drafter weights stay behind while the tree travels (restore puts them back)
+  stash
+  du -sh "$DEV"/payload-* ; echo "tree without the drafter weights: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1)"
+}
+
+stash() {  # the tracked drafter weights stay behind while the tree travels (restore puts them back)
+  grep -qx "/$DEV/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$DEV/" >> .git/info/exclude; }
   for f in specdecode/data/drafters/*/model.safetensors; do
     mkdir -p "$DEV/stash/$(dirname "$f")"
     mv "$f" "$DEV/stash/$f"
   done
-  du -sh "$DEV"/payload-* ; echo "tree without the drafter weights: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1)"
 }
 
 receive() {
@@ -98,9 +104,10 @@ convert_gguf(Path('$WORK/$name'), Path('$WORK/model'))"
 }
 
 restore() {
-  at=${1:?usage: restore FILES_AT (where the device tool put the files of the train run)}
   if [ -d "$DEV/stash/specdecode" ]; then cp -r "$DEV/stash/specdecode/." specdecode/ && rm -rf "$DEV/stash"; fi
   git status --short specdecode/data/drafters | head
+  at=${1:-}
+  [ -n "$at" ] || return 0
   for m in ${METHODS//,/ }; do
     [ -f "$at/$m-config.json" ] || continue
     dst=runs/train/gpu-$m
@@ -112,4 +119,4 @@ restore() {
   [ -f "$at/regen.npz" ] && echo "more regenerated data: $at/regen.npz (specdecode data unpack it beside runs/data)"
 }
 
-"${1:?usage: device_train.sh prepare|receive|train|restore FILES_AT}" "${@:2}"
+"${1:?usage: device_train.sh prepare|stash|receive|train|restore [FILES_AT]}" "${@:2}"
