@@ -99,6 +99,10 @@ class _Plan:
     # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
     window: torch.Tensor | None = None  # [B] long: row of each request in the range
     window_size: int = 0  # R
+    # Fresh causal prefill (every slot empty, contiguous, no tree): SDPA with is_causal over the
+    # unfolded heads reads no mask and skips the blocks above the diagonal. Right-padded rows of
+    # a ragged batch see their causal prefix instead of everything: garbage either way, never used.
+    causal: bool = False
 
 
 @dataclass
@@ -426,6 +430,12 @@ class NativeDecoder(nn.Module):
         else:
             keys = plan.k_span[i].index_select(0, plan.slot_idx)
             values = plan.v_span[i].index_select(0, plan.slot_idx)
+        if plan.causal and attend is _sdpa:  # q [B, N, H, D], keys [B, Hk, N, D]
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            qh = q.transpose(1, 2)  # [B, H, N, D]
+            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2).reshape(B * N, H * D)  # [B*N, H*D]
         if N == 1:
             q = q.view(B, Hk, G, D)
         else:
@@ -487,6 +497,7 @@ class NativeDecoder(nn.Module):
         else:
             src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D]
             plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
+        plan.causal = contiguous and uniform and L == 0 and N > 1 and tree_mask is None
         if not (N == 1 and uniform and tree_mask is None):
             plan.mask = self._mask(B, N, span, torch.tensor(lens, device=dev), counts, tree_mask, dev)
             if plan.window is not None:  # dummy rows see key 0 only: finite garbage, never used,
