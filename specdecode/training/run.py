@@ -33,6 +33,7 @@ from specdecode.training.data import load_sequences
 from specdecode.training.features import FeatureCache
 from specdecode.training.methods import TASKS, MTPNativeTask
 from specdecode.training.trainer import read_state, train_many
+from specdecode.training.vocab import coverage
 
 TRAINABLE = tuple(m.task for m in REGISTRY if m.task is not None)
 
@@ -149,6 +150,9 @@ def run_training(
         if init_from is not None and read_state(m_cfg.out_dir, m) is None:
             warm_start(task, Path(init_from) / m if many else Path(init_from), target)
             print(f"{m}: starting from the weights of {task.init_from}")
+            d2t = task.checkpoint_state().get("d2t")
+            if d2t is not None and getattr(task, "coverage", None) is not None:
+                task.coverage = coverage(seqs, d2t)  # the warm start's vocabulary, not the one picked here
         if getattr(task, "coverage", None) is not None:
             print(f"{m}: draft vocabulary covers {task.coverage:.1%} of the response tokens")
         jobs.append((task, m_cfg))

@@ -4,7 +4,8 @@ Contract: `draft_vocabulary(seqs, size, eos_ids, vocab_rows)` -> (d2t, coverage)
 frequent response tokens of the training sequences as sorted target ids (EOS always included;
 filled with the lowest unused ids when the data has fewer distinct tokens), and the share of
 response tokens they cover. Every method with a reduced head (EAGLE-3, Medusa, MTP, DFlash,
-DSpark, the distilled draft model) picks its vocabulary here.
+DSpark, the distilled draft model) picks its vocabulary here. `coverage(seqs, d2t)`: the share
+of response tokens a given draft vocabulary covers (e.g. a warm start's).
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ from collections import Counter
 import torch
 
 
-def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
-    """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
+def _response_counts(seqs) -> Counter:
     counts = Counter()
     for s in seqs:
         counts.update(s.input_ids[s.loss_mask.bool()].tolist())
+    return counts
+
+
+def coverage(seqs, d2t: torch.Tensor) -> float:
+    """Share of the response tokens of `seqs` whose id is in the draft vocabulary `d2t`."""
+    counts = _response_counts(seqs)
+    return sum(counts[t] for t in set(d2t.tolist())) / max(sum(counts.values()), 1)
+
+
+def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
+    """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
+    counts = _response_counts(seqs)
     chosen = [t for t, _ in counts.most_common(size)]
     for e in eos_ids:
         if e not in chosen:
