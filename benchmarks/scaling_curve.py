@@ -1,0 +1,202 @@
+"""What data buys: served tau of DSpark, DFlash and EAGLE-3 against the number of regenerated
+sequences they were trained on, at the same compute for every point.
+
+For each size n of `--sizes` (`all` = every training sequence): the first n sequences of a seeded
+shuffle of the regenerated answers (smaller sets are prefixes of larger ones) go to a run
+directory, the methods train side by side from scratch on it (`specdecode train A,B,C`: one
+target forward per step) for `--steps` steps of `--tokens-per-batch` tokens, and each drafter is
+served in the real speculative loop on the held-out prompts (fixed K, greedy and T = 1): tau and
+acceptance per draft position. Points already in OUT.json are skipped, and a killed training
+resumes, so the curve grows across sessions. OUT.md and OUT.png are rewritten from all points,
+beside the published points (other targets, other compute: context, not a comparison).
+
+Usage: OMP_NUM_THREADS=2 python benchmarks/scaling_curve.py --data runs/data/regen-smollm2 \
+           --eval-data runs/data/prompts --runs runs/scaling --out benchmarks/results/scaling-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from bench_train import cpu_kind  # benchmarks/ is the script's directory
+
+from specdecode.decode import GenerationRequest, SpeculativeDecoder
+from specdecode.drafters import build_drafter
+from specdecode.models.loader import load_model
+from specdecode.policy import FixedK
+from specdecode.request import SamplingParams
+from specdecode.training.calibrate import heldout_prompts
+from specdecode.training.regen import META
+from specdecode.training.run import run_training, trainable
+from specdecode.training.trainer import TrainConfig
+
+PUBLISHED = [  # (label, sequences, tau): METHODS.md, DSpark's small-target recipes
+    ("DSpark, Qwen3-0.6B, 1.6k samples", 1_600, 1.81),
+    ("DSpark, Llama-3.2-1B, 100k samples x 3 epochs", 100_000, 3.15),
+]
+
+
+def subset(data: Path, n: int | None, dst: Path, seed: int) -> int:
+    """Write the first n records of a seeded shuffle of data/train.jsonl into dst (a regen dir)."""
+    lines = (data / "train.jsonl").read_text().splitlines()
+    random.Random(seed).shuffle(lines)
+    lines = lines if n is None else lines[:n]
+    dst.mkdir(parents=True, exist_ok=True)
+    if not (dst / "train.jsonl").exists():
+        (dst / META).write_text((data / META).read_text())
+        (dst / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def options(method: str) -> dict:
+    """The training options `specdecode train METHOD` uses when no flag is given."""
+    kw = dict(trainable(method).train_options)
+    if kw.get("mask_token_id") == "none":
+        kw["mask_token_id"] = None
+    return kw
+
+
+def served(target, drafter, prompts, k: int, max_new: int, temperature: float) -> dict:
+    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=min(8, len(prompts)))
+    params = SamplingParams(temperature=temperature)
+    reqs = [
+        GenerationRequest(prompt_ids=p, params=params, max_new_tokens=max_new, seed=i, id=str(i))
+        for i, p in enumerate(prompts)
+    ]
+    res = dec.generate(reqs)
+    steps = sum(r.num_steps for r in res)
+    reached = [
+        sum(r.reached_per_position[j] for r in res if j < len(r.reached_per_position)) for j in range(k)
+    ]
+    acc = [sum(r.accepted_per_position[j] for r in res if j < len(r.accepted_per_position)) for j in range(k)]
+    return {
+        "tau": round(sum(r.tau * r.num_steps for r in res) / max(steps, 1), 3),
+        "acceptance": [round(a / r, 3) if r else 0.0 for a, r in zip(acc, reached, strict=True)],
+    }
+
+
+def write_report(out: Path, points: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [
+        "# What data buys: served tau against regenerated sequences (benchmarks/scaling_curve.py)",
+        "",
+        "Each point trains from scratch at the same compute (steps x tokens per step); tau in the",
+        "real speculative loop on held-out prompts, fixed K, greedy and T = 1.",
+        "",
+        "| sequences | method | steps | tokens/step | tau greedy | tau T=1 "
+        "| acceptance per position (greedy) | train s | machine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in sorted(points, key=lambda p: (p["sequences"], p["method"])):
+        lines.append(
+            f"| {p['sequences']} | {p['method']} | {p['steps']} | {p['tokens_per_batch']} "
+            f"| {p['greedy']['tau']} | {p['t1']['tau']} | {p['greedy']['acceptance']} | {p['train_s']} "
+            f"| {p['machine']} |"
+        )
+    lines += ["", "Published points (other targets and compute):", ""]
+    lines += [f"- {label}: tau {tau} at {n:,} samples" for label, n, tau in PUBLISHED]
+    cmds = sorted({p["command"] for p in points})
+    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in cmds]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for m in sorted({p["method"] for p in points}):
+        pts = sorted((p for p in points if p["method"] == m), key=lambda p: p["sequences"])
+        xs = [p["sequences"] for p in pts]
+        (line,) = ax.plot(xs, [p["greedy"]["tau"] for p in pts], marker="o", label=f"{m} greedy")
+        ax.plot(
+            xs, [p["t1"]["tau"] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{m} T=1"
+        )
+    for label, n, tau in PUBLISHED:
+        ax.scatter([n], [tau], marker="*", s=90, color="grey")
+        ax.annotate(label, (n, tau), fontsize=6, xytext=(-120, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("regenerated sequences")
+    ax.set_ylabel("served tau (K fixed)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--data", required=True, help="regen directory (train split)")
+    ap.add_argument("--eval-data", required=True, help="prompt set with heldout.jsonl")
+    ap.add_argument("--methods", default="dspark,dflash,eagle")
+    ap.add_argument("--sizes", default="300,1000,3000,10000,all")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--tokens-per-batch", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-prompts", type=int, default=12)
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", default="runs/scaling", help="where the subsets and checkpoints go")
+    ap.add_argument("--out", required=True, help="OUT.json (points, appended), OUT.md, OUT.png")
+    a = ap.parse_args()
+    out = Path(a.out)
+    points = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
+    target = load_model(a.target)
+    prompts = heldout_prompts(a.eval_data, target, a.eval_prompts)
+    methods = a.methods.split(",")
+    cmd = "python benchmarks/scaling_curve.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out",)
+    )
+    machine = cpu_kind()
+    for size in a.sizes.split(","):
+        n = None if size == "all" else int(size)
+        data = Path(a.runs) / f"data-{size}"
+        count = subset(Path(a.data), n, data, a.seed)
+        todo = [
+            m
+            for m in methods
+            if not any(p["method"] == m and p["sequences"] == count and p["steps"] == a.steps for p in points)
+        ]
+        if not todo:
+            continue
+        run_dir = Path(a.runs) / f"train-{size}-{a.steps}"
+        cfg = TrainConfig(
+            out_dir=str(run_dir),
+            steps=a.steps,
+            lr=a.lr,
+            warmup_steps=max(1, a.steps // 15),
+            tokens_per_batch=a.tokens_per_batch,
+            eval_prompts=0,
+            seed=a.seed,
+            bf16=True,
+        )
+        t0 = time.perf_counter()
+        kw = {m: options(m) for m in todo}  # each method's `specdecode train` defaults
+        run_training(",".join(todo), target, data, run_dir, cfg, kw if len(todo) > 1 else kw[todo[0]])
+        train_s = round(time.perf_counter() - t0)
+        for m in todo:
+            ckpt = run_dir / m if len(todo) > 1 else run_dir
+            drafter = build_drafter(m, target, str(ckpt))
+            point = {
+                "sequences": count,
+                "method": m,
+                "steps": a.steps,
+                "tokens_per_batch": a.tokens_per_batch,
+                "greedy": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 0.0),
+                "t1": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 1.0),
+                "train_s": train_s,
+                "machine": machine,
+                "command": cmd,
+            }
+            print(json.dumps(point))
+            points.append(point)
+            out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
+            write_report(out, points)
+
+
+if __name__ == "__main__":
+    main()
