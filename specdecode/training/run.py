@@ -33,7 +33,6 @@ from specdecode.training.data import load_sequences
 from specdecode.training.features import FeatureCache
 from specdecode.training.methods import TASKS, MTPNativeTask
 from specdecode.training.trainer import read_state, train_many
-from specdecode.training.vocab import coverage
 
 TRAINABLE = tuple(m.task for m in REGISTRY if m.task is not None)
 
@@ -146,13 +145,16 @@ def run_training(
         kw = (method_kw or {}).get(m) if many else method_kw
         if many and (kw or {}).get("mode", "frozen") != "frozen":
             raise SpecDecodeError("native MTP training runs the target itself: train it on its own")
-        task = make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
+        init = None
         if init_from is not None and read_state(m_cfg.out_dir, m) is None:
-            warm_start(task, Path(init_from) / m if many else Path(init_from), target)
+            init = Path(init_from) / m if many else Path(init_from)
+            _, state = load_checkpoint(init, m, target)
+            if "d2t" in state:  # the vocabulary its head was trained on: the task's labels use it too
+                kw = {**(kw or {}), "d2t": state["d2t"]}
+        task = make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
+        if init is not None:
+            warm_start(task, init, target)
             print(f"{m}: starting from the weights of {task.init_from}")
-            d2t = task.checkpoint_state().get("d2t")
-            if d2t is not None and getattr(task, "coverage", None) is not None:
-                task.coverage = coverage(seqs, d2t)  # the warm start's vocabulary, not the one picked here
         if getattr(task, "coverage", None) is not None:
             print(f"{m}: draft vocabulary covers {task.coverage:.1%} of the response tokens")
         jobs.append((task, m_cfg))

@@ -5,7 +5,9 @@ frequent response tokens of the training sequences as sorted target ids (EOS alw
 filled with the lowest unused ids when the data has fewer distinct tokens), and the share of
 response tokens they cover. Every method with a reduced head (EAGLE-3, Medusa, MTP, DFlash,
 DSpark, the distilled draft model) picks its vocabulary here. `coverage(seqs, d2t)`: the share
-of response tokens a given draft vocabulary covers (e.g. a warm start's).
+of response tokens a given draft vocabulary covers. `pick_vocabulary(..., d2t)`: what every
+training task calls: `draft_vocabulary`, or a given one (a warm start's, which its head was
+trained on) with its coverage.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+
+from specdecode.errors import SpecDecodeError
 
 
 def _response_counts(seqs) -> Counter:
@@ -41,3 +45,18 @@ def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.T
     total = sum(counts.values())
     cover = sum(counts[t] for t in chosen) / max(total, 1)
     return torch.tensor(sorted(chosen)), cover
+
+
+def pick_vocabulary(seqs, size: int, eos_ids, vocab_rows: int, d2t=None) -> tuple[torch.Tensor, float]:
+    """`d2t` (sorted target ids, e.g. from the checkpoint a run starts from) and its coverage, or
+    `draft_vocabulary(...)` when none is given."""
+    if d2t is None:
+        return draft_vocabulary(seqs, size, eos_ids, vocab_rows)
+    d2t = torch.as_tensor(d2t).long().cpu()
+    if len(d2t) != size:
+        raise SpecDecodeError(
+            f"the starting checkpoint's draft vocabulary holds {len(d2t)} ids, not draft_vocab_size "
+            f"= {size}; "
+            "train with the options it was made with (--draft-vocab), or drop --init-from"
+        )
+    return d2t, coverage(seqs, d2t)

@@ -130,3 +130,32 @@ def test_init_from_starts_each_method_from_a_checkpoint_and_refuses_another_arch
             progress=False,
             init_from=first / "eagle",
         )
+
+
+def test_a_warm_start_trains_on_the_vocabulary_its_head_was_trained_on(data, tmp_path, monkeypatch):
+    """The labels (the target's logits over the draft vocabulary) and the warm-started head must
+    index the same ids, whatever vocabulary the new data would pick."""
+    import specdecode.training.run as run_mod
+
+    target, regen = data
+    first = tmp_path / "first"
+    kw = {"draft_vocab_size": 32, "ttt_steps": 2}
+    run_training("eagle", target, regen, first, cfg(first), kw, progress=False)
+    other = tmp_path / "other"  # a few answers: their most frequent tokens are another vocabulary
+    other.mkdir()
+    (other / "meta.json").write_text((regen / "meta.json").read_text())
+    (other / "train.jsonl").write_text(
+        "\n".join((regen / "train.jsonl").read_text().splitlines()[-2:]) + "\n"
+    )
+    seqs = load_sequences(other, "train", 512, target.fingerprint)
+    saved = weights(first)["d2t"]
+    assert not torch.equal(make_task("eagle", target, seqs, tmp_path, cfg(tmp_path), kw).net.d2t, saved)
+    jobs = []
+    monkeypatch.setattr(run_mod, "train_many", lambda j, *a, **k: jobs.extend(j) or [{}])
+    run_training(
+        "eagle", target, other, tmp_path / "warm", cfg(tmp_path / "warm"), kw, progress=False, init_from=first
+    )
+    task = jobs[0][0]
+    assert torch.equal(task.net.d2t.cpu(), saved)
+    head_rows = task.module._frozen[1]  # the target head rows the labels are computed with
+    torch.testing.assert_close(head_rows, target.model.lm_head_weight()[saved].float())

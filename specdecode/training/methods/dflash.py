@@ -37,7 +37,7 @@ from specdecode.drafters.dflash.model import (
 )
 from specdecode.drafters.layers import HF_LAYER_NAMES, QK_NORM_NAMES
 from specdecode.models.loader import open_checkpoint
-from specdecode.training.vocab import draft_vocabulary
+from specdecode.training.vocab import pick_vocabulary
 
 
 def copy_target_layers(net: DFlash, target, sample: list[list[int]] = ()) -> list[int] | None:
@@ -232,6 +232,7 @@ class DFlashTask:
         draft_vocab_size: int = 8192,
         num_anchors: int = 32,
         init_from_target: bool = True,
+        d2t=None,
         **arch,
     ):
         info = target.model.info
@@ -247,8 +248,8 @@ class DFlashTask:
             loss_decay=default_decay(block_size) if self.layout == "dflash" else 4.0,
             **arch,
         )
-        d2t, self.coverage = draft_vocabulary(
-            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        d2t, self.coverage = pick_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size, d2t
         )
         self.net = self.make_net(cfg)
         with torch.no_grad():

@@ -20,7 +20,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter, _drafter, _embed_
 from specdecode.drafters.layers import shifted_kl
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.loader import open_checkpoint
-from specdecode.training.vocab import draft_vocabulary
+from specdecode.training.vocab import pick_vocabulary
 
 
 def init_layers(num_target_layers: int, num_layers: int) -> list[int]:
@@ -52,7 +52,7 @@ class DistillTask:
     method = "draft"
     feature_layers = (FINAL_NORM,)
 
-    def __init__(self, target, seqs, num_layers: int = 4, draft_vocab_size: int = 8192):
+    def __init__(self, target, seqs, num_layers: int = 4, draft_vocab_size: int = 8192, d2t=None):
         from transformers import AutoModelForCausalLM  # deferred: importing transformers takes seconds
 
         info = target.model.info
@@ -76,8 +76,8 @@ class DistillTask:
         small.get_input_embeddings().weight.requires_grad_(False)
         small.get_output_embeddings().weight.requires_grad_(False)
         small.to(info.device)
-        d2t, self.coverage = draft_vocabulary(
-            seqs, min(draft_vocab_size, info.vocab_size), target.eos_token_ids, info.vocab_size
+        d2t, self.coverage = pick_vocabulary(
+            seqs, min(draft_vocab_size, info.vocab_size), target.eos_token_ids, info.vocab_size, d2t
         )
         self.small = small
         self.module = DistillLoss(small, target, d2t)

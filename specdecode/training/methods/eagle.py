@@ -25,7 +25,7 @@ from specdecode.drafters.eagle.drafter import EagleDrafter, TreeSpec
 from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_forward
 from specdecode.drafters.layers import SoftTargets, shifted_kl
 from specdecode.models.base import FINAL_NORM
-from specdecode.training.vocab import draft_vocabulary
+from specdecode.training.vocab import pick_vocabulary
 
 
 def ttt_loss(
@@ -86,11 +86,11 @@ class EagleLoss(nn.Module):
 class EagleTask:
     method = "eagle"
 
-    def __init__(self, target, seqs, draft_vocab_size: int = 8192, ttt_steps: int = 3):
+    def __init__(self, target, seqs, draft_vocab_size: int = 8192, ttt_steps: int = 3, d2t=None):
         info = target.model.info
         cfg = EagleConfig.for_target(info, target.config, draft_vocab_size)
-        d2t, self.coverage = draft_vocabulary(
-            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        d2t, self.coverage = pick_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size, d2t
         )
         self.net = Eagle3(cfg)
         self.net.init_from_target(target.model.lm_head_weight().detach().cpu(), d2t)

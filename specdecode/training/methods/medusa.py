@@ -19,7 +19,7 @@ from specdecode.drafters.layers import SoftTargets, shifted_kl
 from specdecode.drafters.medusa.drafter import MedusaDrafter
 from specdecode.drafters.medusa.model import Medusa, MedusaConfig
 from specdecode.models.base import FINAL_NORM
-from specdecode.training.vocab import draft_vocabulary
+from specdecode.training.vocab import pick_vocabulary
 
 
 def medusa_loss(
@@ -60,13 +60,13 @@ class MedusaTask:
     method = "medusa"
     feature_layers = (FINAL_NORM,)
 
-    def __init__(self, target, seqs, num_heads: int = 4, draft_vocab_size: int = 8192):
+    def __init__(self, target, seqs, num_heads: int = 4, draft_vocab_size: int = 8192, d2t=None):
         info = target.model.info
         cfg = MedusaConfig(
             info.hidden_size, num_heads, min(draft_vocab_size, info.vocab_size), info.vocab_size
         )
-        d2t, self.coverage = draft_vocabulary(
-            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        d2t, self.coverage = pick_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size, d2t
         )
         self.net = Medusa(cfg)
         self.net.init_from_target(target.model.lm_head_weight().detach().cpu(), d2t)

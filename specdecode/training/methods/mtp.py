@@ -40,7 +40,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.loader import load_model
 from specdecode.training.data import collate, plan_batches
-from specdecode.training.vocab import draft_vocabulary
+from specdecode.training.vocab import pick_vocabulary
 
 
 def mtp_loss(model: MTP, embed, h0, target_logits, input_ids, loss_mask, lengths, weight: float = 1.0):
@@ -78,11 +78,11 @@ class MTPTask:
     method = "mtp"
     feature_layers = (FINAL_NORM,)
 
-    def __init__(self, target, seqs, num_modules: int = 3, draft_vocab_size: int = 8192):
+    def __init__(self, target, seqs, num_modules: int = 3, draft_vocab_size: int = 8192, d2t=None):
         info, config = target.model.info, target.config
         cfg = MTPConfig(**target_shape(info, config, draft_vocab_size), num_modules=num_modules)
-        d2t, self.coverage = draft_vocabulary(
-            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size
+        d2t, self.coverage = pick_vocabulary(
+            seqs, cfg.draft_vocab_size, target.eos_token_ids, info.vocab_size, d2t
         )
         self.net = MTP(cfg)
         with torch.no_grad():
@@ -175,10 +175,11 @@ class MTPNativeTask(MTPTask):
         mtp_weight: float = 0.3,
         trunk_lr_scale: float = 0.01,
         out_dir: str | None = None,
+        d2t=None,
     ):
         from transformers import AutoModelForCausalLM  # deferred: importing transformers takes seconds
 
-        super().__init__(target, seqs, num_modules=num_modules, draft_vocab_size=draft_vocab_size)
+        super().__init__(target, seqs, num_modules=num_modules, draft_vocab_size=draft_vocab_size, d2t=d2t)
         if out_dir is None:
             raise SpecDecodeError("native MTP training needs the output directory (for the new target)")
         if not mtp_weight > 0:
