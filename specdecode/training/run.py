@@ -187,7 +187,12 @@ def run_comparison(
 ) -> dict:
     """Offline vs served (training/compare.py) for the training run in `run_dir`: held-out
     regenerated sequences of `data_dir`, held-out prompts of `eval_data` (default `data_dir`)."""
-    target, _, task = _prepare(method, target_spec, data_dir, run_dir, cfg, method_kw, dtype, device)
+    target, seqs = _load(target_spec, data_dir, cfg, dtype, device)
+    st = read_state(run_dir, method)
+    kw = dict(method_kw or {})
+    if st is not None and "net.d2t" in st["module"]:  # the labels must use the run's vocabulary
+        kw["d2t"] = st["module"]["net.d2t"]
+    task = make_task(method, target, seqs, run_dir, cfg, kw)
     load_trained(task, run_dir)
     try:
         heldout = load_sequences(data_dir, "heldout", cfg.max_len, target.fingerprint)

@@ -159,3 +159,30 @@ def test_a_warm_start_trains_on_the_vocabulary_its_head_was_trained_on(data, tmp
     assert torch.equal(task.net.d2t.cpu(), saved)
     head_rows = task.module._frozen[1]  # the target head rows the labels are computed with
     torch.testing.assert_close(head_rows, target.model.lm_head_weight()[saved].float())
+
+
+def test_offline_vs_served_scores_a_run_on_its_own_vocabulary(data, tmp_path, monkeypatch):
+    """--offline-vs-served rebuilds the task on other data: its labels must use the run's draft
+    vocabulary, as the run's head does (else offline accuracy reads far below served)."""
+    import specdecode.training.run as run_mod
+
+    target, regen = data
+    first = tmp_path / "first"
+    kw = {"draft_vocab_size": 32, "ttt_steps": 2}
+    run_training("eagle", target, regen, first, cfg(first), kw, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "meta.json").write_text((regen / "meta.json").read_text())
+    lines = (regen / "train.jsonl").read_text().splitlines()[-2:]
+    for split in ("train", "heldout"):
+        (other / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    seqs = load_sequences(other, "train", 512, target.fingerprint)
+    saved = weights(first)["d2t"]
+    assert not torch.equal(make_task("eagle", target, seqs, tmp_path, cfg(tmp_path), kw).net.d2t, saved)
+    tasks = []
+    monkeypatch.setattr(run_mod, "compare", lambda task, *a, **k: tasks.append(task) or {})
+    monkeypatch.setattr(run_mod, "_eval_prompts", lambda *a, **k: [[1, 2, 3]])
+    run_mod.run_comparison("eagle", target, other, first, cfg(first), kw)
+    task = tasks[0]
+    assert torch.equal(task.net.d2t.cpu(), saved)
+    torch.testing.assert_close(task.module._frozen[1], target.model.lm_head_weight()[saved].float())
