@@ -8,10 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
 from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
-from specdecode.training.regen import regenerate
 from specdecode.training.run import make_task, run_training, warm_start
 from specdecode.training.trainer import TrainConfig
 
@@ -19,16 +17,8 @@ KW = {"eagle": {"draft_vocab_size": 128, "ttt_steps": 2}, "medusa": {"draft_voca
 
 
 @pytest.fixture(scope="module")
-def data(tiny_llama_dir, tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("pair_prompts")
-    with (prompts / "train.jsonl").open("w") as f:
-        for i in range(16):
-            msg = [{"role": "user", "content": f"name the rivers and the hills number {i}"}]
-            f.write(json.dumps({"id": f"t{i}", "messages": msg}) + "\n")
-    out = tmp_path_factory.mktemp("pair_regen")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    regenerate(target, prompts, out, splits=("train",), max_new_tokens=24, batch_size=16, progress=False)
-    return target, out
+def data(make_regen):
+    return make_regen("pair", 16, "name the rivers and the hills number {}")
 
 
 def cfg(out, **kw) -> TrainConfig:

@@ -8,23 +8,13 @@ import sys
 import pytest
 import torch
 
-from specdecode.models.loader import load_model
-from specdecode.training.regen import regenerate
 from specdecode.training.run import run_training
 from specdecode.training.trainer import TrainConfig
 
 
 @pytest.fixture(scope="module")
-def data(tiny_llama_dir, tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("ddp_prompts")
-    with (prompts / "train.jsonl").open("w") as f:
-        for i in range(24):
-            msg = [{"role": "user", "content": f"count the cats and dogs number {i}"}]
-            f.write(json.dumps({"id": f"t{i}", "messages": msg}) + "\n")
-    out = tmp_path_factory.mktemp("ddp_regen")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    regenerate(target, prompts, out, splits=("train",), max_new_tokens=24, batch_size=12, progress=False)
-    return target, out
+def data(make_regen):
+    return make_regen("ddp", 24, "count the cats and dogs number {}")
 
 
 def test_torchrun_ddp_matches_single_process_accumulation(tiny_llama_dir, data, tmp_path):
