@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -26,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+from specdecode.bench.hardware import machine_info
 from specdecode.models.loader import load_model
 from specdecode.training.data import collate, load_sequences, plan_batches
 from specdecode.training.features import TargetFeatures
 from specdecode.training.run import task_class
+from specdecode.training.trainer import feature_union
 
 
 def _time(fn) -> float:
@@ -53,8 +54,7 @@ def bench(args) -> list[dict]:
     for m in methods:
         torch.manual_seed(0)
         tasks[m] = task_class(m)(target, seqs)
-    union = tuple(dict.fromkeys(layer for t in tasks.values() for layer in t.feature_layers))
-    feats_of = TargetFeatures(target, union)
+    feats_of = TargetFeatures(target, feature_union(tasks.values()))
     opts = {
         m: torch.optim.AdamW([p for p in t.module.parameters() if p.requires_grad], lr=1e-5)
         for m, t in tasks.items()
@@ -108,10 +108,9 @@ def bench(args) -> list[dict]:
 
 
 def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    names = (ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name"))
-    kind = "AMX" if "amx_bf16" in flags else "AVX2"
-    return f"{next(names, '') or platform.processor()} ({kind}), {torch.get_num_threads()} threads"
+    """The machine in a report row: CPU model, its bf16 GEMM kind, threads."""
+    info = machine_info()
+    return f"{info['cpu']} ({info.get('bf16_gemm', '?')}), {info['threads']} threads"
 
 
 def write_report(out: Path, rows: list[dict]) -> None:

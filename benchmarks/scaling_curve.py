@@ -24,15 +24,12 @@ from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
-from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters import build_drafter
 from specdecode.models.loader import load_model
-from specdecode.policy import FixedK
-from specdecode.request import SamplingParams
 from specdecode.training.calibrate import heldout_prompts
 from specdecode.training.regen import META
 from specdecode.training.run import run_training, trainable
-from specdecode.training.trainer import TrainConfig
+from specdecode.training.trainer import TrainConfig, evaluate
 
 PUBLISHED = [  # (label, sequences, tau): METHODS.md, DSpark's small-target recipes
     ("DSpark, Qwen3-0.6B, 1.6k samples", 1_600, 1.81),
@@ -52,31 +49,9 @@ def subset(data: Path, n: int | None, dst: Path, seed: int) -> int:
     return len(lines)
 
 
-def options(method: str) -> dict:
-    """The training options `specdecode train METHOD` uses when no flag is given."""
-    kw = dict(trainable(method).train_options)
-    if kw.get("mask_token_id") == "none":
-        kw["mask_token_id"] = None
-    return kw
-
-
 def served(target, drafter, prompts, k: int, max_new: int, temperature: float) -> dict:
-    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=min(8, len(prompts)))
-    params = SamplingParams(temperature=temperature)
-    reqs = [
-        GenerationRequest(prompt_ids=p, params=params, max_new_tokens=max_new, seed=i, id=str(i))
-        for i, p in enumerate(prompts)
-    ]
-    res = dec.generate(reqs)
-    steps = sum(r.num_steps for r in res)
-    reached = [
-        sum(r.reached_per_position[j] for r in res if j < len(r.reached_per_position)) for j in range(k)
-    ]
-    acc = [sum(r.accepted_per_position[j] for r in res if j < len(r.accepted_per_position)) for j in range(k)]
-    return {
-        "tau": round(sum(r.tau * r.num_steps for r in res) / max(steps, 1), 3),
-        "acceptance": [round(a / r, 3) if r else 0.0 for a, r in zip(acc, reached, strict=True)],
-    }
+    r = evaluate(drafter, target, prompts, k, max_new, temperature)
+    return {"tau": round(r["tau"], 3), "acceptance": [round(a, 3) for a in r["acceptance"]]}
 
 
 def write_report(out: Path, points: list[dict]) -> None:
@@ -175,7 +150,7 @@ def main() -> None:
             bf16=True,
         )
         t0 = time.perf_counter()
-        kw = {m: options(m) for m in todo}  # each method's `specdecode train` defaults
+        kw = {m: dict(trainable(m).train_options) for m in todo}  # `specdecode train` defaults
         run_training(",".join(todo), target, data, run_dir, cfg, kw if len(todo) > 1 else kw[todo[0]])
         train_s = round(time.perf_counter() - t0)
         for m in todo:

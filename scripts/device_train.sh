@@ -36,10 +36,9 @@ PART_MB=15  # files back from $OUT: 16 MiB each at most
 
 prepare() {
   . .venv/bin/activate
-  grep -qx "/$DEV/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$DEV/" >> .git/info/exclude; }
   rm -rf "$DEV/payload-1" "$DEV/payload-2" "$DEV/payload-3"
   mkdir -p "$DEV"/payload-{1,2,3} "$DEV/stash"
-  gguf=$(python -c "from specdecode.assets import ensure_model, get_model_asset, locate; \
+  gguf=$(python -c "from specdecode.assets import get_model_asset, locate; \
 a = get_model_asset('smollm2-135m'); print(locate(*a.parts[0]))")
   split -n 3 -d "$gguf" "$DEV/gguf-part-"
   for i in 1 2 3; do mv "$DEV/gguf-part-0$((i - 1))" "$DEV/payload-$i/gguf-part-$i"; done

@@ -15,7 +15,8 @@ Contract:
   gap = offline - served in points. Served acceptance at position j is conditional on the
   drafts before it being accepted; under greedy decoding that prefix is the target's own, the
   same prefix teacher forcing gives, so the two should agree within a few points.
-- `load_trained(task, run_dir)` loads the module weights of a training run (`trainer.pt`).
+- `trained_state(run_dir, method)`: the trainer state (`trainer.pt`) of a training run, refused
+  when there is none or it is another method's; its "module" holds the weights to load.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from specdecode.training.trainer import STATE, evaluate, read_state
 POSITION_OFFSET = {"medusa": 1, "mtp": 1, "draft": 1}  # acc_k -> draft position k - offset
 
 
-def load_trained(task, run_dir) -> None:
-    st = read_state(run_dir, task.method)
+def trained_state(run_dir, method: str) -> dict:
+    st = read_state(run_dir, method)
     if st is None:
         path = Path(run_dir) / STATE
         raise SpecDecodeError(f"{path} does not exist: give the --out directory of a `specdecode train` run")
-    task.module.load_state_dict(st["module"])
+    return st
 
 
 @torch.no_grad()

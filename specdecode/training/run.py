@@ -28,11 +28,11 @@ from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
-from specdecode.training.compare import compare, load_trained
+from specdecode.training.compare import compare, trained_state
 from specdecode.training.data import load_sequences
 from specdecode.training.features import FeatureCache
 from specdecode.training.methods import TASKS, MTPNativeTask
-from specdecode.training.trainer import read_state, train_many
+from specdecode.training.trainer import feature_union, read_state, train_many
 
 TRAINABLE = tuple(m.task for m in REGISTRY if m.task is not None)
 
@@ -77,16 +77,17 @@ def make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache=None)
     return task_cls(target, seqs, **kw)
 
 
-def _prepare(method, target_spec, data_dir, out_dir, cfg, method_kw, dtype, device, feature_cache=None):
-    """The target, the training sequences and the method's task."""
-    target, seqs = _load(target_spec, data_dir, cfg, dtype, device)
-    return target, seqs, make_task(method, target, seqs, out_dir, cfg, method_kw, feature_cache)
+def with_vocabulary(method_kw: dict | None, state: dict) -> dict:
+    """`method_kw` plus the draft vocabulary of a drafter's saved weights (a checkpoint's `d2t`, a
+    trainer state's `net.d2t`), when they hold one: a task rebuilt to continue or to score that
+    drafter must label with the ids its head was trained on, not pick them from the data again."""
+    d2t = next((v for k, v in state.items() if k.rsplit(".", 1)[-1] == "d2t"), None)
+    return dict(method_kw or {}) if d2t is None else {**(method_kw or {}), "d2t": d2t}
 
 
-def warm_start(task, path, target) -> None:
-    """Start `task`'s drafter from the checkpoint in `path`: its weights (and draft vocabulary),
-    with a fresh optimiser and schedule. Another method, target or architecture is refused."""
-    arch, state = load_checkpoint(path, task.method, target)
+def warm_start(task, path, arch: dict, state: dict) -> None:
+    """Start `task`'s drafter from the checkpoint `load_checkpoint(path)` gave (arch, state): its
+    weights, with a fresh optimiser and schedule. Another architecture is refused."""
     own = task.checkpoint_state()
     mine = json.loads(json.dumps(task.arch()))  # tuples as the checkpoint's JSON lists
     if mine != arch or own.keys() != state.keys():
@@ -148,12 +149,11 @@ def run_training(
         init = None
         if init_from is not None and read_state(m_cfg.out_dir, m) is None:
             init = Path(init_from) / m if many else Path(init_from)
-            _, state = load_checkpoint(init, m, target)
-            if "d2t" in state:  # the vocabulary its head was trained on: the task's labels use it too
-                kw = {**(kw or {}), "d2t": state["d2t"]}
+            arch, state = load_checkpoint(init, m, target)  # another method or target is refused
+            kw = with_vocabulary(kw, state)
         task = make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
         if init is not None:
-            warm_start(task, init, target)
+            warm_start(task, init, arch, state)
             print(f"{m}: starting from the weights of {task.init_from}")
         if getattr(task, "coverage", None) is not None:
             print(f"{m}: draft vocabulary covers {task.coverage:.1%} of the response tokens")
@@ -166,8 +166,7 @@ def run_training(
         )
     features = None
     if feature_cache:
-        layers = tuple(dict.fromkeys(layer for task, _ in jobs for layer in task.feature_layers))
-        features = FeatureCache(feature_cache, target, layers)
+        features = FeatureCache(feature_cache, target, feature_union(task for task, _ in jobs))
         features.build(seqs, progress=progress)
     torch.set_float32_matmul_precision("high")
     results = train_many(jobs, target, seqs, eval_prompts=prompts, features=features, progress=progress)
@@ -188,12 +187,9 @@ def run_comparison(
     """Offline vs served (training/compare.py) for the training run in `run_dir`: held-out
     regenerated sequences of `data_dir`, held-out prompts of `eval_data` (default `data_dir`)."""
     target, seqs = _load(target_spec, data_dir, cfg, dtype, device)
-    st = read_state(run_dir, method)
-    kw = dict(method_kw or {})
-    if st is not None and "net.d2t" in st["module"]:  # the labels must use the run's vocabulary
-        kw["d2t"] = st["module"]["net.d2t"]
-    task = make_task(method, target, seqs, run_dir, cfg, kw)
-    load_trained(task, run_dir)
+    st = trained_state(run_dir, method)
+    task = make_task(method, target, seqs, run_dir, cfg, with_vocabulary(method_kw, st["module"]))
+    task.module.load_state_dict(st["module"])
     try:
         heldout = load_sequences(data_dir, "heldout", cfg.max_len, target.fingerprint)
     except (SpecDecodeError, FileNotFoundError) as e:

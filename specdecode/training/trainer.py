@@ -49,6 +49,7 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.checkpoint import save_checkpoint
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK
+from specdecode.request import SamplingParams
 from specdecode.training.data import collate, plan_batches
 from specdecode.training.features import TargetFeatures
 
@@ -133,11 +134,15 @@ def _save_atomic(obj, path: Path) -> None:
 
 
 @torch.no_grad()
-def evaluate(drafter, target, prompts: list[list[int]], num_draft: int, max_new_tokens: int) -> dict:
-    """Served tau and acceptance of `drafter` in the real loop (greedy, fixed K)."""
+def evaluate(
+    drafter, target, prompts: list[list[int]], num_draft: int, max_new_tokens: int, temperature: float = 0.0
+) -> dict:
+    """Served tau and acceptance of `drafter` in the real loop (fixed K; greedy unless a
+    temperature is given, each prompt then seeded by its index)."""
     dec = SpeculativeDecoder(target, drafter, FixedK(num_draft), max_batch=min(8, len(prompts)))
+    params = SamplingParams(temperature=temperature)
     reqs = [
-        GenerationRequest(prompt_ids=p, max_new_tokens=max_new_tokens, id=str(i))
+        GenerationRequest(prompt_ids=p, params=params, max_new_tokens=max_new_tokens, seed=i, id=str(i))
         for i, p in enumerate(prompts)
     ]
     res = dec.generate(reqs)
@@ -190,6 +195,11 @@ def train(
     return train_many([(task, cfg)], target, seqs, eval_prompts, features, progress)[0]
 
 
+def feature_union(tasks) -> tuple[int, ...]:
+    """The target layers any of `tasks` reads, each once, in first-use order."""
+    return tuple(dict.fromkeys(layer for task in tasks for layer in task.feature_layers))
+
+
 def _check_shared(cfgs: list[TrainConfig]) -> None:
     """Runs that share batches must cut them alike."""
     for name in ("tokens_per_batch", "max_len", "seed", "grad_accum"):
@@ -218,7 +228,7 @@ def train_many(
     _check_shared(cfgs)
     base = cfgs[0]
     torch.manual_seed(base.seed)
-    layers = tuple(dict.fromkeys(layer for task, _ in jobs for layer in task.feature_layers))
+    layers = feature_union(task for task, _ in jobs)
     if features is None:
         features = TargetFeatures(target, layers) if layers else (lambda b: {})
     runs = [_start_run(task, cfg, rank, world) for task, cfg in jobs]

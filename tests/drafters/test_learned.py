@@ -246,7 +246,7 @@ def test_offline_accuracy_beside_served_acceptance(
     an untrained one, and a run directory without trainer.pt is refused."""
     from specdecode.training.compare import offline_accuracy
     from specdecode.training.data import load_sequences
-    from specdecode.training.run import _prepare, run_comparison
+    from specdecode.training.run import make_task, run_comparison
 
     out, _ = trained(method)
     cfg, kw = train_cfg(out, 80), method_kw[method]
@@ -256,7 +256,8 @@ def test_offline_accuracy_beside_served_acceptance(
     r0 = rows[0]
     assert r0["served"] is not None and abs(r0["gap"] - 100 * (r0["offline"] - r0["served"])) <= 0.1
     assert res["sequences"] > 0 and res["prompts"] == 4
-    _, _, fresh = _prepare(method, tiny, regen_dir, tmp_path, cfg, kw, "fp32", "cpu")
+    train_seqs = load_sequences(regen_dir, "train", cfg.max_len, tiny.fingerprint)
+    fresh = make_task(method, tiny, train_seqs, tmp_path, cfg, kw)
     heldout = load_sequences(regen_dir, "heldout", cfg.max_len, tiny.fingerprint)
     assert offline_accuracy(fresh, tiny, heldout, cfg.tokens_per_batch, 8)[0] < rows[0]["offline"]
     with pytest.raises(SpecDecodeError, match="trainer.pt"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.errors import SpecDecodeError
 from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
@@ -98,7 +99,7 @@ def test_init_from_starts_each_method_from_a_checkpoint_and_refuses_another_arch
         task = make_task(
             m, target, load_sequences(regen, "train", 512, target.fingerprint), tmp_path, cfg(tmp_path), KW[m]
         )
-        warm_start(task, first / m, target)
+        warm_start(task, first / m, *load_checkpoint(first / m, m, target))
         saved = weights(first / m)
         for k, t in task.checkpoint_state().items():
             torch.testing.assert_close(t.to(saved[k].dtype), saved[k], rtol=0, atol=0, msg=f"{m}: {k}")
