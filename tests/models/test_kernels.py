@@ -69,13 +69,15 @@ def amx(ops):
     return ops
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 40, 64])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (130, 576)])
 def test_bf16amx_is_the_product_of_bf16_inputs_accumulated_in_fp32(amx, m, n, k):
-    # x rounded to bf16, exact products; first and last rows alone as in any block of rows
+    # x rounded to bf16, exact products; rows alone as in any block of rows (from m = 32 on, the
+    # first 32 rows run as a pair of 16-row chunks: row m // 2 lies in the second one)
     x, packed = _check_product(
-        amx.bf16amx_pack, amx.bf16amx_linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m - 1)
-    )
+        amx.bf16amx_pack, amx.bf16amx_linear, m, n, k, lambda x: x.to(torch.bfloat16),
+        rows_alone=(0, m // 2, m - 1),
+    )  # fmt: skip
     if k > 64:  # x from another shape is refused (K is known to within one tile of 32)
         with pytest.raises(RuntimeError, match="bf16amx_pack"):
             amx.bf16amx_linear(x[:, : k // 2], packed, n, None)

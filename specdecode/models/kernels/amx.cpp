@@ -12,7 +12,7 @@
 // group's blocks are interleaved by input block: P[group][kb][2][16 input pairs][16 outputs][2]
 // (outputs padded with zeros to groups of 32). Each thread owns a range of groups and reads its
 // weights as one sequential stream (2 accumulator tiles, the activation tile shared by both),
-// rows of x in chunks of 16.
+// rows of x in chunks of 16; two full chunks at a time share each weight tile (4 accumulators).
 //
 // AMX needs the kernel's permission per process (arch_prctl ARCH_REQ_XCOMP_PERM); where it is
 // refused (no AMX, an old kernel) `bf16amx_pack` raises and the format is simply absent. The
@@ -107,6 +107,41 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const uint16_t* xa, 
   _tile_stored(1, out + TM * TN, 64);
 }
 
+// Rows [m0, m0 + 32) (two full chunks of 16) against the NB = 2 output blocks of group g, four
+// accumulators at once (configure(16)): each input block loads 2 activation tiles (2, 3) and 2
+// weight tiles (4, 5) for 4 multiplies, half the loads per multiply of tile_pass, and the
+// weights are read once for both chunks. Every accumulator adds the input blocks in the same
+// order as tile_pass, so each output element is bit for bit what tile_pass gives.
+// C into out[2 chunks][2 blocks][16][16].
+__attribute__((target("amx-tile,amx-bf16"))) void tile_pass2(const uint16_t* xa, int64_t Kp,
+                                                              const uint16_t* P, int64_t kb_n,
+                                                              int64_t g, float* out) {
+  constexpr int64_t BLK = TK * TN;
+  constexpr int64_t STEP = NB * BLK;
+  const uint16_t* p = P + g * kb_n * STEP;
+  const uint16_t* xb = xa + TM * Kp;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t kb = 0; kb < kb_n; ++kb, p += STEP) {
+    for (int l = 0; l < STEP * 2; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + PF * STEP) + l, _MM_HINT_T1);
+    _tile_loadd(2, xa + kb * TK, Kp * 2);
+    _tile_loadd(4, p, 64);
+    _tile_loadd(5, p + BLK, 64);
+    _tile_loadd(3, xb + kb * TK, Kp * 2);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(6, 3, 4);
+    _tile_dpbf16ps(7, 3, 5);
+  }
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + TM * TN, 64);
+  _tile_stored(6, out + 2 * TM * TN, 64);
+  _tile_stored(7, out + 3 * TM * TN, 64);
+}
+
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (NaN stays NaN)
@@ -178,28 +213,35 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t
   }
   // groups of NB blocks are the unit of work; a thread takes a contiguous range of them
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    alignas(64) float out[NB * TM * TN];
+    alignas(64) float out[2 * NB * TM * TN];
     int configured = -1;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * NB;
-      // every chunk of rows against this group while its weights are still in L2
-      for (int64_t m0 = 0; m0 < M; m0 += TM) {
+      // every chunk of rows against this group while its weights are still in L2: full chunks
+      // two at a time (tile_pass2), the rest one at a time
+      for (int64_t m0 = 0; m0 < M;) {
+        const bool pair = m0 + 2 * TM <= M;
         const int rows = static_cast<int>(std::min<int64_t>(TM, M - m0));
         if (rows != configured) {
           configure(rows);
           configured = rows;
         }
-        tile_pass(xab + m0 * Kp, Kp, pp, kb_n, g, out);
-        for (int64_t j = 0; j < NB && (b + j) * TN < N; ++j)
-          for (int r = 0; r < rows; ++r) {
-            const float* src = out + j * TM * TN + r * TN;
-            float* dst = yp + (m0 + r) * N + (b + j) * TN;
-            const int64_t cols = std::min<int64_t>(TN, N - (b + j) * TN);
-            if (bp)
-              for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bp[(b + j) * TN + c];
-            else
-              std::memcpy(dst, src, cols * sizeof(float));
-          }
+        if (pair)
+          tile_pass2(xab + m0 * Kp, Kp, pp, kb_n, g, out);
+        else
+          tile_pass(xab + m0 * Kp, Kp, pp, kb_n, g, out);
+        const int64_t chunks = pair ? 2 : 1;
+        for (int64_t c = 0; c < chunks; ++c, m0 += TM)
+          for (int64_t j = 0; j < NB && (b + j) * TN < N; ++j)
+            for (int r = 0; r < rows; ++r) {
+              const float* src = out + (c * NB + j) * TM * TN + r * TN;
+              float* dst = yp + (m0 + r) * N + (b + j) * TN;
+              const int64_t cols = std::min<int64_t>(TN, N - (b + j) * TN);
+              if (bp)
+                for (int64_t k = 0; k < cols; ++k) dst[k] = src[k] + bp[(b + j) * TN + k];
+              else
+                std::memcpy(dst, src, cols * sizeof(float));
+            }
       }
     }
     if (configured >= 0) release();

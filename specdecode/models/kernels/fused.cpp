@@ -96,6 +96,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The 8-key reduction of score8: lane t of the result holds the sum of acc[t]'s lanes.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  // h0123 = [s0lo s1lo s2lo s3lo | s0hi s1hi s2hi s3hi] (lo/hi: 128-bit halves), same for 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
 // q . k for 8 keys at once: 8 independent accumulators over d (no hadd per key), then one
 // transposing reduction; key t's lanes are summed in the same order whatever the other keys.
 template <typename T>
@@ -113,14 +122,8 @@ inline __m256 score8(const float* q, const T* const* k, int64_t d) {
     a6 = _mm256_fmadd_ps(qv, load8(k[6] + i), a6);
     a7 = _mm256_fmadd_ps(qv, load8(k[7] + i), a7);
   }
-  // pairwise sums: [a0 a1 a2 a3 | ...] lanes reduced so that output lane t holds sum(a_t)
-  const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
-  const __m256 h45 = _mm256_hadd_ps(a4, a5), h67 = _mm256_hadd_ps(a6, a7);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  // h0123 = [s0lo s1lo s2lo s3lo | s0hi s1hi s2hi s3hi] (lo/hi: 128-bit halves), same for 4-7
-  const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-  __m256 out = _mm256_add_ps(lo, hi);
+  const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  __m256 out = reduce8(acc);
   if (i < d) {  // a tail shorter than 8 (head sizes are multiples of 8 in practice)
     alignas(32) float tail[8];
     _mm256_store_ps(tail, out);
@@ -129,6 +132,36 @@ inline __m256 score8(const float* q, const T* const* k, int64_t d) {
     out = _mm256_load_ps(tail);
   }
   return out;
+}
+
+// score8 for RG query rows (q + g * ld) at once, d a multiple of 8: each key vector is loaded
+// (and widened) once for all rows, 4 keys at a time. Every score is the same chain of fmas and
+// the same reduction as score8's, so out[g] is bit for bit score8(q + g * ld, k, d).
+template <int RG, typename T>
+inline void score8_rows(const float* q, int64_t ld, const T* const* k, int64_t d, __m256* out) {
+  __m256 acc[RG][8];
+  for (int half = 0; half < 2; ++half) {
+    __m256 a[RG][4];
+    for (int g = 0; g < RG; ++g)
+      for (int t = 0; t < 4; ++t) a[g][t] = _mm256_setzero_ps();
+    const T* k0 = k[4 * half];
+    const T* k1 = k[4 * half + 1];
+    const T* k2 = k[4 * half + 2];
+    const T* k3 = k[4 * half + 3];
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 v0 = load8(k0 + i), v1 = load8(k1 + i), v2 = load8(k2 + i), v3 = load8(k3 + i);
+      for (int g = 0; g < RG; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * ld + i);
+        a[g][0] = _mm256_fmadd_ps(qv, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(qv, v1, a[g][1]);
+        a[g][2] = _mm256_fmadd_ps(qv, v2, a[g][2]);
+        a[g][3] = _mm256_fmadd_ps(qv, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < RG; ++g)
+      for (int t = 0; t < 4; ++t) acc[g][4 * half + t] = a[g][t];
+  }
+  for (int g = 0; g < RG; ++g) out[g] = reduce8(acc[g]);
 }
 
 // o[0, d) += inv * sum_j p[j] v[j] over j0 <= j < n with p[j] != 0, in key order, in 8-lane
@@ -326,26 +359,48 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
-        for (int64_t r = 0; r < rn; ++r) {
-          float* sr = s.data() + r * Lp + j0;
-          const bool* mr = mm ? mm + r * L + j0 : nullptr;
-          const uint64_t w = mr ? mask_word(mr, jn) : full;
-          if (w == 0) {
-            for (int64_t t = 0; t < 8; ++t) sr[t] = ninf;
-            continue;
+        // rows three at a time (a decode step's G query heads), each key loaded once for them
+        for (int64_t rg = 0; rg < rn; rg += 3) {
+          const int gn = static_cast<int>(std::min<int64_t>(3, rn - rg));
+          uint64_t w[3];
+          bool any = false;
+          for (int g = 0; g < gn; ++g) {
+            w[g] = mm ? mask_word(mm + (rg + g) * L + j0, jn) : full;
+            any = any || w[g] != 0;
           }
-          _mm256_storeu_ps(sr, score8(qs.data() + r * D, keys, D));
-          if (w == full) {
-            for (int64_t t = jn; t < 8; ++t) sr[t] = ninf;
-            last = std::max(last, j0 + jn - 1);
-            continue;
+          __m256 sc[3];
+          if (any && D % 8 == 0) {
+            const float* qg = qs.data() + rg * D;
+            if (gn == 3)
+              score8_rows<3, T>(qg, D, keys, D, sc);
+            else if (gn == 2)
+              score8_rows<2, T>(qg, D, keys, D, sc);
+            else
+              score8_rows<1, T>(qg, D, keys, D, sc);
+          } else if (any) {
+            for (int g = 0; g < gn; ++g) sc[g] = score8(qs.data() + (rg + g) * D, keys, D);
           }
-          for (int64_t t = 0; t < 8; ++t)
-            if (t >= jn || !mr[t]) {
-              sr[t] = ninf;
-            } else {
-              last = std::max(last, j0 + t);
+          for (int g = 0; g < gn; ++g) {
+            const int64_t r = rg + g;
+            float* sr = s.data() + r * Lp + j0;
+            const bool* mr = mm ? mm + r * L + j0 : nullptr;
+            if (w[g] == 0) {
+              for (int64_t t = 0; t < 8; ++t) sr[t] = ninf;
+              continue;
             }
+            _mm256_storeu_ps(sr, sc[g]);
+            if (w[g] == full) {
+              for (int64_t t = jn; t < 8; ++t) sr[t] = ninf;
+              last = std::max(last, j0 + jn - 1);
+              continue;
+            }
+            for (int64_t t = 0; t < 8; ++t)
+              if (t >= jn || !mr[t]) {
+                sr[t] = ninf;
+              } else {
+                last = std::max(last, j0 + t);
+              }
+          }
         }
       }
       const int64_t jend = (last + 8) / 8 * 8;  // whole vectors past the last key: -inf
