@@ -10,7 +10,9 @@ Contract:
   trained for another target (fingerprint = target config + tokenizer hash).
 - `load_net(path, method, target, build, defaults)` -> the checkpoint's network built by
   `build(arch)`, weights loaded (`defaults(net)` fills tensors older checkpoints lack), moved to the
-  target's device in `drafter_dtype(target)`: what every learned drafter's loader starts with.
+  target's device in `drafter_dtype(target)`, in eval mode, its linear layers running in the
+  target's measured formats on CPU (`layers.use_formats`; inference only): what every learned
+  drafter's loader starts with.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
   that target and method, or None; `checkpoint_path(kind, target, spec)` -> `spec` or that
   shipped directory, refusing with what to do when there is neither.
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdecode.drafters.layers import use_formats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats import BUCKETS
 
@@ -169,4 +172,8 @@ def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module
     for k, v in (defaults(net) if defaults else {}).items():
         state.setdefault(k, v)
     net.load_state_dict(state)
-    return net.to(device=target.model.info.device, dtype=drafter_dtype(target))
+    net = net.to(device=target.model.info.device, dtype=drafter_dtype(target)).eval()
+    plan = getattr(target.model, "plan", None)
+    if plan is not None and target.model.info.device.type == "cpu":
+        use_formats(net, plan)  # the products in the formats measured fastest here
+    return net

@@ -10,6 +10,9 @@ Contract:
   before RoPE, as Qwen3 does; `kv(x)` gives the keys/values alone (same norm and RoPE).
 - `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
+- `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
+  whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
+  tiles for a few rows) instead of a plain fp32 matmul; parameters and state_dict keys stay.
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.models import formats
 from specdecode.sampling import process_logits_batch
 
 RMSNorm = nn.RMSNorm
@@ -166,6 +170,34 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PlannedLinear(nn.Module):
+    """A frozen nn.Linear whose product runs in a format plan: [.., in] -> [.., out]. The weight
+    (and bias) stay parameters, so state_dict keys are unchanged; the plan's copies of them are
+    made once, so later changes to the parameters are not seen (inference only)."""
+
+    def __init__(self, lin: nn.Linear, plan: formats.FormatPlan) -> None:
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias
+        with torch.no_grad():
+            bias = None if lin.bias is None else lin.bias.detach()
+            self.product = formats.Linear(lin.weight.detach(), bias, plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.in_features))  # [M, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
+    """Swap every nn.Linear of `net` for a PlannedLinear in `plan` (in place; returns `net`)."""
+    for name, child in list(net.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(net, name, PlannedLinear(child, plan))
+        else:
+            use_formats(child, plan)
+    return net
 
 
 def target_shape(info, config, draft_vocab_size: int) -> dict:

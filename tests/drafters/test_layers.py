@@ -1,9 +1,12 @@
-"""The distillation loss of the learned drafters (drafters/layers.py: shifted_kl, SoftTargets)."""
+"""drafters/layers.py: the distillation loss of the learned drafters (shifted_kl, SoftTargets)
+and their inference products in the target's formats (use_formats)."""
 
 import pytest
 import torch
+from torch import nn
 
-from specdecode.drafters.layers import SoftTargets, shifted_kl
+from specdecode.drafters.layers import PlannedLinear, SoftTargets, SwiGLU, shifted_kl, use_formats
+from specdecode.models.formats import BUCKETS, FormatPlan, forced_plan
 
 
 def reference_kl(draft_logits, target_logits, loss_mask, lengths, shift):
@@ -55,3 +58,30 @@ def test_shifted_kl_is_zero_for_a_perfect_drafter_and_survives_an_empty_batch():
     empty, _ = shifted_kl(x, logits, torch.zeros(2, 6, dtype=torch.long), torch.tensor([6, 6]), shift=1)
     empty.backward()  # no rows: a zero loss that still reaches the parameters
     assert float(empty.detach()) == 0.0 and x.grad is not None
+
+
+def test_use_formats_swaps_every_linear_and_keeps_the_parameters():
+    g = torch.Generator().manual_seed(0)
+    net = nn.Sequential(SwiGLU(16, 40), nn.Linear(16, 7, bias=True))
+    for p in net.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    x = torch.randn(2, 5, 16, generator=g)
+    want, keys = net(x), set(net.state_dict())
+    use_formats(net, forced_plan("fp32"))
+    linears = [m for m in net.modules() if isinstance(m, PlannedLinear)]
+    assert len(linears) == 4 and not any(type(m) is nn.Linear for m in net.modules())
+    assert set(net.state_dict()) == keys  # checkpoints save and load as before
+    assert torch.equal(net(x), want)  # fp32: the same product as nn.Linear, any leading shape
+
+
+def test_planned_linear_runs_each_row_count_in_its_bucket_kernel():
+    # bf16 for one-row products, fp32 for the rest: a row is rounded like a bf16 product there
+    plan = FormatPlan(("bf16",) + ("fp32",) * (len(BUCKETS) - 1))
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(32, 8, bias=False)
+    lin.weight.data = torch.randn(8, 32, generator=g)
+    x = torch.randn(3, 32, generator=g)
+    planned = PlannedLinear(lin, plan)
+    one = x[:1].bfloat16() @ lin.weight.bfloat16().t()
+    assert torch.equal(planned(x[:1]), one.float())
+    assert torch.equal(planned(x), x @ lin.weight.t())

@@ -30,6 +30,7 @@ import torch
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
 from specdecode.drafters.layers import DraftVocab
+from specdecode.models import formats
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
@@ -51,6 +52,8 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
+        plan = getattr(target.model, "plan", None)  # the head rows in the target's measured formats
+        self.head = formats.Linear(self.head_w, None, plan) if plan and self.device.type == "cpu" else None
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
@@ -120,6 +123,12 @@ class DFlashDrafter(Drafter):
         return self.net.block_states(block, pos.to(self.device), ctx_kv, visible)[:, 0]
 
     # ---- propose --------------------------------------------------------------------------
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[B', K, d] final states -> [B', K, Vd] logits over the draft vocabulary."""
+        if self.head is None:
+            return self.net.logits(states, self.head_w)
+        return self.head(states.reshape(-1, states.shape[-1])).view(*states.shape[:-1], -1)
+
     def _uniforms(self, batch, idx, num, j) -> torch.Tensor:
         """One uniform per request that drafts position j (exactly num[b] per request)."""
         return torch.stack(
@@ -134,7 +143,7 @@ class DFlashDrafter(Drafter):
         first = self.net.cfg.first_draft_slot
         K = max(num)
         params = [batch[b].params for b in idx]
-        small = self.net.logits(states[:, first : first + K], self.head_w)  # [B', K, Vd]
+        small = self._logits(states[:, first : first + K])  # [B', K, Vd]
         q = self.vocab.probs(small, params)  # [B', K, Vd]
         u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
         ids = self.vocab.to_target(sample(q, u.to(q.device))).cpu()  # [B', K]

@@ -53,7 +53,7 @@ class DSparkDrafter(DFlashDrafter):
         net, K, n = self.net, max(num), len(idx)
         num = list(num)
         params = [batch[b].params for b in idx]
-        U = net.logits(states[:, :K], self.head_w)  # [B', K, Vd] backbone logits
+        U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
         prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
         # Drafts and confidences stay on the device; the host reads them once at the end (and
         # per slot only when a threshold has to be checked).
