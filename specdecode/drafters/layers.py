@@ -12,7 +12,8 @@ Contract:
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
 - `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
   whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
-  tiles for a few rows) instead of a plain fp32 matmul; parameters and state_dict keys stay.
+  tiles for a few rows) instead of a plain fp32 matmul; q/k/v and gate/up run as one product
+  each and RMSNorm as one fused kernel (`FusedRMSNorm`); parameters and state_dict keys stay.
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
@@ -44,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.models import formats
+from specdecode.models import formats, kernels
+from specdecode.models.formats import Product
 from specdecode.sampling import process_logits_batch
 
 RMSNorm = nn.RMSNorm
@@ -112,11 +114,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked GQA: q [B, N, H, D], k/v [B, M, Hk, D], mask [B, N, M] (True = visible) -> [B, N, H*D]."""
     B, N, H, D = q.shape
-    Hk = k.shape[2]
-    k = k.repeat_interleave(H // Hk, dim=2)
-    v = v.repeat_interleave(H // Hk, dim=2)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), enable_gqa=True
     )  # [B, H, N, D]
     return o.transpose(1, 2).reshape(B, N, H * D)
 
@@ -142,6 +141,7 @@ class DraftAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps=eps)
             self.k_norm = RMSNorm(head_dim, eps=eps)
         self.qk_norm = qk_norm
+        self.fused_qkv: Product | None = None  # [M, in] -> [M, (H + 2Hk) D] (use_formats)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> k, v [B, N, Hk, D] (k normed when qk_norm, then RoPE)."""
@@ -154,10 +154,17 @@ class DraftAttention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> q [B, N, H, D], k/v [B, N, Hk, D] (RoPE applied to q and k)."""
         B, N, _ = x.shape
-        q = self.q_proj(x).view(B, N, self.H, self.D)
+        if self.fused_qkv is None:
+            q = self.q_proj(x).view(B, N, self.H, self.D)
+            k, v = self.kv(x, cos, sin)
+        else:  # one product for the three projections
+            qkv = self.fused_qkv(x.reshape(B * N, -1)).view(B, N, self.H + 2 * self.Hk, self.D)
+            q, k, v = qkv.split([self.H, self.Hk, self.Hk], dim=2)
+            if self.qk_norm:
+                k = self.k_norm(k)
+            k = apply_rope(k, cos, sin)
         if self.qk_norm:
             q = self.q_norm(q)
-        k, v = self.kv(x, cos, sin)
         return apply_rope(q, cos, sin), k, v
 
 
@@ -167,9 +174,31 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d, inter, bias=False)
         self.up_proj = nn.Linear(d, inter, bias=False)
         self.down_proj = nn.Linear(inter, d, bias=False)
+        self.fused_gate_up: Product | None = None  # [M, d] -> [M, 2 inter] (use_formats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.fused_gate_up(x.reshape(-1, x.shape[-1]))  # [M, 2 inter]
+        ops = kernels.fused() if gu.dtype == torch.float32 and gu.device.type == "cpu" else None
+        if ops is not None:
+            act = ops.silu_mul(gu)
+        else:
+            inter = gu.shape[-1] // 2
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        return self.down_proj(act).view(*x.shape[:-1], -1)
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose fp32 CPU inference runs our one-pass kernel (models/kernels)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.fused()
+        if ops is None or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight is None:
+            return super().forward(x)
+        d = x.shape[-1]
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
+        return ops.rms_norm(x.reshape(-1, d), self.weight, eps).view(x.shape)
 
 
 class PlannedLinear(nn.Module):
@@ -191,13 +220,31 @@ class PlannedLinear(nn.Module):
 
 
 def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
-    """Swap every nn.Linear of `net` for a PlannedLinear in `plan` (in place; returns `net`)."""
+    """Ready a frozen `net` for inference in `plan` (in place; returns `net`): every nn.Linear
+    becomes a PlannedLinear, DraftAttention's q/k/v and SwiGLU's gate/up projections become one
+    product each, RMSNorms run the fused kernel. Parameters and state_dict keys stay."""
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, DraftAttention):
+                w = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
+                m.fused_qkv = formats.Linear(w, None, plan)
+            elif isinstance(m, SwiGLU):
+                w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                m.fused_gate_up = formats.Linear(w, None, plan)
+    _swap(net, plan)
+    return net
+
+
+def _swap(net: nn.Module, plan: formats.FormatPlan) -> None:
     for name, child in list(net.named_children()):
         if isinstance(child, nn.Linear):
             setattr(net, name, PlannedLinear(child, plan))
+        elif type(child) is nn.RMSNorm and child.normalized_shape == (child.normalized_shape[-1],):
+            fused = FusedRMSNorm(child.normalized_shape, child.eps, child.elementwise_affine)
+            fused.weight = child.weight
+            setattr(net, name, fused)
         else:
-            use_formats(child, plan)
-    return net
+            _swap(child, plan)
 
 
 def target_shape(info, config, draft_vocab_size: int) -> dict:

@@ -5,7 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from specdecode.drafters.layers import PlannedLinear, SoftTargets, SwiGLU, shifted_kl, use_formats
+from specdecode.drafters.layers import (
+    DraftAttention,
+    PlannedLinear,
+    SoftTargets,
+    SwiGLU,
+    rope_table,
+    shifted_kl,
+    use_formats,
+)
 from specdecode.models.formats import BUCKETS, FormatPlan, forced_plan
 
 
@@ -62,16 +70,28 @@ def test_shifted_kl_is_zero_for_a_perfect_drafter_and_survives_an_empty_batch():
 
 def test_use_formats_swaps_every_linear_and_keeps_the_parameters():
     g = torch.Generator().manual_seed(0)
-    net = nn.Sequential(SwiGLU(16, 40), nn.Linear(16, 7, bias=True))
-    for p in net.parameters():
+    net = nn.Sequential(SwiGLU(16, 40), nn.RMSNorm(16, eps=1e-5), nn.Linear(16, 7, bias=True))
+    attn = DraftAttention(16, 16, num_heads=4, num_kv_heads=2, head_dim=4, qk_norm=True)
+    for p in [*net.parameters(), *attn.parameters()]:
         p.data = torch.randn(p.shape, generator=g)
     x = torch.randn(2, 5, 16, generator=g)
+    cos, sin = rope_table(torch.arange(5)[None].expand(2, 5), 4, 10000.0)
     want, keys = net(x), set(net.state_dict())
-    use_formats(net, forced_plan("fp32"))
-    linears = [m for m in net.modules() if isinstance(m, PlannedLinear)]
-    assert len(linears) == 4 and not any(type(m) is nn.Linear for m in net.modules())
-    assert set(net.state_dict()) == keys  # checkpoints save and load as before
-    assert torch.equal(net(x), want)  # fp32: the same product as nn.Linear, any leading shape
+    want_qkv, attn_keys = attn.qkv(x, cos, sin), set(attn.state_dict())
+    lone = nn.Linear(16, 3)
+    want_lone = lone(x)
+    plan = forced_plan("fp32")
+    for m in (net, attn, lone):
+        use_formats(m, plan)
+    assert sum(isinstance(m, PlannedLinear) for m in net.modules()) == 4
+    assert not any(type(m) in (nn.Linear, nn.RMSNorm) for m in [*net.modules(), *attn.modules()])
+    assert set(net.state_dict()) == keys and set(attn.state_dict()) == attn_keys  # checkpoints as before
+    assert attn.fused_qkv is not None and net[0].fused_gate_up is not None
+    assert torch.equal(lone(x), want_lone)  # fp32: the same product as nn.Linear, any leading shape
+    # fused q/k/v and gate/up products, the one-pass norm and SiLU kernels: rounding only
+    torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-4)
+    for got, ref in zip(attn.qkv(x, cos, sin), want_qkv, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_planned_linear_runs_each_row_count_in_its_bucket_kernel():
