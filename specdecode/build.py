@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from specdecode.decode import GenerationRequest, GenerationResult, SpeculativeDe
 from specdecode.drafters import DEFAULT_NUM_DRAFT, METHODS, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import detect_layout, write_native
+from specdecode.models import kernels
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK, StepCostModel, draft_round_costs, make_policy, step_costs
 
@@ -191,16 +193,27 @@ def _round_seconds(tgt, drf, k: int, tokens: int = 24) -> float:
     return best
 
 
+@cache
+def _drafting_code_tag() -> str:
+    """Hash of the drafters' sources and our compiled kernels: what a drafting round runs."""
+    root = Path(__file__).parent / "drafters"
+    h = hashlib.sha256(kernels.source_tag().encode())
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
     """(fixed, per token) seconds of a learned drafter's round (`policy.draft_round_costs`),
     timed on short greedy runs (catch-up on committed context included, as in a real round) and
-    keyed by the drafter's architecture (method, class, parameter count, dtype), the target
-    and the machine."""
+    keyed by the drafter's architecture (method, class, parameter count, dtype), the drafting
+    code (sources and kernels), the target and the machine."""
     nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
     params = sum(p.numel() for m in nets for p in m.parameters())
     dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
     ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k)]
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
+    ident.append(_drafting_code_tag())  # faster drafting code is measured anew
     return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n))
 
 
