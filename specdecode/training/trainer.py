@@ -226,46 +226,167 @@ def train_many(
     rank, world = _dist()
     cfgs = [cfg for _, cfg in jobs]
     _check_shared(cfgs)
-    base = cfgs[0]
-    torch.manual_seed(base.seed)
+    torch.manual_seed(cfgs[0].seed)
     layers = feature_union(task for task, _ in jobs)
     if features is None:
         features = TargetFeatures(target, layers) if layers else (lambda b: {})
     runs = [_start_run(task, cfg, rank, world) for task, cfg in jobs]
-    lengths = [len(s.input_ids) for s in seqs]
-    # Every epoch packs the same sorted lengths, so it holds the same number of batches.
-    per_epoch = len(plan_batches(lengths, base.tokens_per_batch, base.seed, 0))
-    plans: dict[int, list[list[int]]] = {}
+    sess = _Session([t.method for t, _ in jobs], target, seqs, cfgs[0], eval_prompts, features, rank, world)
+    bars = {
+        id(r): tqdm(
+            total=r.cfg.steps,
+            initial=r.step,
+            desc=f"train {r.task.method}",
+            position=i,
+            disable=not progress or rank != 0,
+            dynamic_ncols=True,
+        )
+        for i, r in enumerate(runs)
+    }
+    while any(r.active for r in runs):
+        active = [r for r in runs if r.active]
+        work = sess.forward_backward(active)
+        for r in active:
+            sess.finish_step(r, *work[id(r)], bars[id(r)])
+    for bar in bars.values():
+        bar.close()
+    results = [r.last if r.stopped else sess.finish(r) for r in runs]
+    if world > 1:
+        dist.barrier()
+    return results
 
-    def batch_at(cursor: int) -> dict:
+
+@dataclass
+class _Session:
+    """What the runs of one `train_many` share: the data, the frozen target's features, the
+    evaluation prompts, the process group and the clock; one step of every run goes through it."""
+
+    methods: list[str]  # every method trained together (recorded in checkpoints)
+    target: object
+    seqs: list
+    base: TrainConfig  # the shared batch cut (tokens_per_batch, seed, grad_accum)
+    eval_prompts: list[list[int]] | None
+    features: object  # batch -> {layer: [B, T, d]}
+    rank: int
+    world: int
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.lengths = [len(s.input_ids) for s in self.seqs]
+        # Every epoch packs the same sorted lengths, so it holds the same number of batches.
+        self.per_epoch = len(plan_batches(self.lengths, self.base.tokens_per_batch, self.base.seed, 0))
+        self.plans: dict[int, list[list[int]]] = {}
+
+    def batch_at(self, cursor: int) -> dict:
         """The cursor-th global micro-batch (epoch order fixed by seed and epoch)."""
-        e, i = divmod(cursor, per_epoch)
-        if e not in plans:
-            plans.clear()
-            plans[e] = plan_batches(lengths, base.tokens_per_batch, base.seed, e)
-        idx = plans[e][i]
-        b = collate([seqs[j] for j in idx])
+        e, i = divmod(cursor, self.per_epoch)
+        if e not in self.plans:
+            self.plans.clear()
+            self.plans[e] = plan_batches(self.lengths, self.base.tokens_per_batch, self.base.seed, e)
+        idx = self.plans[e][i]
+        b = collate([self.seqs[j] for j in idx])
         b["index"] = torch.tensor(idx)
         return b
 
-    def save(r: _Run, final: bool = False) -> None:
-        if rank != 0:
+    def forward_backward(self, active: list[_Run]) -> dict[int, tuple[float, int, dict]]:
+        """Set each run's learning rate, then accumulate its gradients over this step's
+        micro-batches; runs at the same cursor share one feature forward of the target (its time
+        split evenly). -> {id(run): (seconds charged, real tokens seen, mean logs)}."""
+        base, world = self.base, self.world
+        out = {id(r): (0.0, 0, {}) for r in active}
+        for r in active:
+            for g in r.opt.param_groups:
+                g["lr"] = lr_at(r.step, r.cfg) * g.get("lr_scale", 1.0)
+        for micro in range(base.grad_accum):
+            by_cursor: dict[int, list[_Run]] = {}
+            for r in active:
+                by_cursor.setdefault((r.step * base.grad_accum + micro) * world + self.rank, []).append(r)
+            for cursor, group in by_cursor.items():
+                t0 = time.perf_counter()
+                batch = self.batch_at(cursor)
+                n_tok = int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
+                dev = next(group[0].task.module.parameters()).device
+                feats = {k: v.to(dev) for k, v in self.features(batch).items()}
+                batch = {k: v.to(dev) for k, v in batch.items()}
+                share = (time.perf_counter() - t0) / len(group)  # the target's forward, split evenly
+                for r in group:
+                    t1 = time.perf_counter()
+                    sync = world == 1 or micro == base.grad_accum - 1
+                    ctx = r.model.no_sync() if not sync else _null()
+                    with ctx, torch.autocast(dev.type, dtype=torch.bfloat16, enabled=r.cfg.bf16):
+                        loss, logs = r.model(batch, {k: feats[k] for k in r.task.feature_layers})
+                        (loss / base.grad_accum).backward()
+                    spent, tokens, acc = out[id(r)]
+                    for k, v in logs.items():
+                        acc[k] = acc.get(k, 0.0) + v / base.grad_accum
+                    out[id(r)] = (spent + share + time.perf_counter() - t1, tokens + n_tok, acc)
+        return out
+
+    def finish_step(self, r: _Run, spent: float, tokens: int, logs: dict, bar) -> None:
+        """Clip, step the optimiser, then log / evaluate / checkpoint / stop as the config says."""
+        t1 = time.perf_counter()
+        gnorm = torch.nn.utils.clip_grad_norm_(r.params, r.cfg.clip)
+        r.opt.step()
+        r.opt.zero_grad(set_to_none=True)
+        r.step += 1
+        took = spent + time.perf_counter() - t1
+        r.wall += took
+        bar.update(1)
+        rec = {
+            "step": r.step,
+            "lr": lr_at(r.step - 1, r.cfg),
+            "grad_norm": round(float(gnorm), 4),
+            "tok_s": round(tokens * self.world / took, 1),
+            **{k: round(v, 4) for k, v in logs.items()},
+        }
+        if r.step % r.cfg.log_every == 0 or r.step == r.cfg.steps:
+            bar.set_postfix({k: rec[k] for k in list(logs)[:4]})
+            self.log(r, rec)
+        if r.cfg.eval_every and r.step % r.cfg.eval_every == 0 and r.step < r.cfg.steps:
+            ev = self.run_eval(r)
+            if ev:
+                self.log(r, {"step": r.step, **ev})
+                bar.write(f"{r.task.method} step {r.step}: {_served(ev)}")
+        if r.step % r.cfg.checkpoint_every == 0 and r.step < r.cfg.steps:
+            self.save(r)
+        r.last = rec
+        limit = r.cfg.time_limit_s
+        out_of_time = limit is not None and time.perf_counter() - self.started > limit
+        at_stop = r.cfg.stop_at is not None and r.step >= r.cfg.stop_at
+        if (at_stop or out_of_time) and r.step < r.cfg.steps:
+            self.save(r)
+            r.stopped = True
+            r.last = {**rec, "stopped_at": r.step, "wall_clock_s": r.wall}
+
+    def finish(self, r: _Run) -> dict:
+        """The last evaluation and the final save of a run that reached its steps."""
+        ev = self.run_eval(r)
+        if ev:
+            self.log(r, {"step": r.step, **ev})
+            if self.rank == 0:
+                print(f"{r.task.method}: final {_served(ev)}")
+        self.save(r, final=True)
+        return {**r.last, **ev, "wall_clock_s": r.wall}
+
+    def save(self, r: _Run, final: bool = False) -> None:
+        if self.rank != 0:
             return
         meta = {
             "steps": r.step,
             "wall_clock_s": round(r.wall, 1),
-            "num_sequences": len(seqs),
-            "num_tokens": sum(lengths),
+            "num_sequences": len(self.seqs),
+            "num_tokens": sum(self.lengths),
             "config": {k: v for k, v in asdict(r.cfg).items() if k != "out_dir"},
-            "world_size": world,
+            "world_size": self.world,
             "final": final,
-            "trained_with": [t.method for t, _ in jobs],
+            "trained_with": self.methods,
             **({"init_from": r.task.init_from} if getattr(r.task, "init_from", None) else {}),
             **(r.task.training_meta() if hasattr(r.task, "training_meta") else {}),
         }
         if hasattr(r.task, "save_extra"):
             r.task.save_extra()
-        save_checkpoint(r.out, r.task.method, r.task.arch(), r.task.checkpoint_state(), target, training=meta)
+        state = r.task.checkpoint_state()
+        save_checkpoint(r.out, r.task.method, r.task.arch(), state, self.target, training=meta)
         _save_atomic(
             {
                 "method": r.task.method,
@@ -278,117 +399,20 @@ def train_many(
             r.out / STATE,
         )
 
-    def log(r: _Run, rec: dict) -> None:
-        if rank == 0:
+    def log(self, r: _Run, rec: dict) -> None:
+        if self.rank == 0:
             with (r.out / "log.jsonl").open("a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-    def run_eval(r: _Run) -> dict:
-        if rank != 0 or not eval_prompts:
+    def run_eval(self, r: _Run) -> dict:
+        if self.rank != 0 or not self.eval_prompts:
             return {}
         r.task.module.eval()
-        tgt = r.task.eval_target() if hasattr(r.task, "eval_target") else target
-        cfg = r.cfg
-        ev = evaluate(r.task.make_drafter(), tgt, eval_prompts, cfg.eval_num_draft, cfg.eval_max_new_tokens)
+        tgt = r.task.eval_target() if hasattr(r.task, "eval_target") else self.target
+        num_draft, max_new = r.cfg.eval_num_draft, r.cfg.eval_max_new_tokens
+        ev = evaluate(r.task.make_drafter(), tgt, self.eval_prompts, num_draft, max_new)
         r.task.module.train()
         return {"eval_tau": round(ev["tau"], 3), "eval_acceptance": [round(a, 3) for a in ev["acceptance"]]}
-
-    bars = {
-        id(r): tqdm(
-            total=r.cfg.steps,
-            initial=r.step,
-            desc=f"train {r.task.method}",
-            position=i,
-            disable=not progress or rank != 0,
-            dynamic_ncols=True,
-        )
-        for i, r in enumerate(runs)
-    }
-    started = time.perf_counter()
-    while any(r.active for r in runs):
-        active = [r for r in runs if r.active]
-        spent = {id(r): 0.0 for r in active}  # seconds charged to each run this step
-        tokens = {id(r): 0 for r in active}  # real (unpadded) tokens, for the tokens/s figure
-        logs_acc: dict[int, dict[str, float]] = {id(r): {} for r in active}
-        for r in active:
-            for g in r.opt.param_groups:
-                g["lr"] = lr_at(r.step, r.cfg) * g.get("lr_scale", 1.0)
-        for micro in range(base.grad_accum):
-            by_cursor: dict[int, list[_Run]] = {}
-            for r in active:
-                by_cursor.setdefault((r.step * base.grad_accum + micro) * world + rank, []).append(r)
-            for cursor, group in by_cursor.items():
-                t0 = time.perf_counter()
-                batch = batch_at(cursor)
-                n_tok = int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
-                dev = next(group[0].task.module.parameters()).device
-                feats = {k: v.to(dev) for k, v in features(batch).items()}
-                batch = {k: v.to(dev) for k, v in batch.items()}
-                share = (time.perf_counter() - t0) / len(group)  # the target's forward, split evenly
-                for r in group:
-                    t1 = time.perf_counter()
-                    sync = world == 1 or micro == base.grad_accum - 1
-                    ctx = r.model.no_sync() if not sync else _null()
-                    with ctx, torch.autocast(dev.type, dtype=torch.bfloat16, enabled=r.cfg.bf16):
-                        loss, logs = r.model(batch, {k: feats[k] for k in r.task.feature_layers})
-                        (loss / base.grad_accum).backward()
-                    acc = logs_acc[id(r)]
-                    for k, v in logs.items():
-                        acc[k] = acc.get(k, 0.0) + v / base.grad_accum
-                    spent[id(r)] += share + time.perf_counter() - t1
-                    tokens[id(r)] += n_tok
-        for r in active:
-            t1 = time.perf_counter()
-            gnorm = torch.nn.utils.clip_grad_norm_(r.params, r.cfg.clip)
-            r.opt.step()
-            r.opt.zero_grad(set_to_none=True)
-            r.step += 1
-            took = spent[id(r)] + time.perf_counter() - t1
-            r.wall += took
-            bars[id(r)].update(1)
-            rec = {
-                "step": r.step,
-                "lr": lr_at(r.step - 1, r.cfg),
-                "grad_norm": round(float(gnorm), 4),
-                "tok_s": round(tokens[id(r)] * world / took, 1),
-                **{k: round(v, 4) for k, v in logs_acc[id(r)].items()},
-            }
-            if r.step % r.cfg.log_every == 0 or r.step == r.cfg.steps:
-                bars[id(r)].set_postfix({k: rec[k] for k in list(logs_acc[id(r)])[:4]})
-                log(r, rec)
-            if r.cfg.eval_every and r.step % r.cfg.eval_every == 0 and r.step < r.cfg.steps:
-                ev = run_eval(r)
-                if ev:
-                    log(r, {"step": r.step, **ev})
-                    bars[id(r)].write(f"{r.task.method} step {r.step}: {_served(ev)}")
-            if r.step % r.cfg.checkpoint_every == 0 and r.step < r.cfg.steps:
-                save(r)
-            r.last = rec
-            out_of_time = (
-                r.cfg.time_limit_s is not None and time.perf_counter() - started > r.cfg.time_limit_s
-            )
-            at_stop = r.cfg.stop_at is not None and r.step >= r.cfg.stop_at
-            if (at_stop or out_of_time) and r.step < r.cfg.steps:
-                save(r)
-                r.stopped = True
-                r.last = {**rec, "stopped_at": r.step, "wall_clock_s": r.wall}
-    for bar in bars.values():
-        bar.close()
-    results = []
-    for r in runs:
-        if r.stopped:
-            results.append(r.last)
-            continue
-        ev = run_eval(r)
-        if ev:
-            log(r, {"step": r.step, **ev})
-            if rank == 0:
-                print(f"{r.task.method}: final {_served(ev)}")
-        save(r, final=True)
-        results.append({**r.last, **ev, "wall_clock_s": r.wall})
-    if world > 1:
-        dist.barrier()
-    return results
 
 
 def _served(ev: dict) -> str:
