@@ -38,13 +38,16 @@ def _drafters(target, other):
     v, rows = target.vocab_size, target.model.info.vocab_size
     return {
         "ngram": NgramDrafter(),
+        "ngram-tree": NgramDrafter(tree=True),
         "draft-other": DraftModelDrafter(other.model, v, rows),
         "draft-always-agrees": DraftModelDrafter(target.model, v, rows),
         "draft-never-agrees": ShiftedDrafter(target.model, v, rows),
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft-other", "draft-always-agrees", "draft-never-agrees"])
+@pytest.mark.parametrize(
+    "name", ["ngram", "ngram-tree", "draft-other", "draft-always-agrees", "draft-never-agrees"]
+)
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
     prompts = _prompts(tiny.tokenizer)

@@ -169,6 +169,7 @@ def _tree_policy():
 FAMILIES = {
     "draft": Family(_draft_model, n=768),
     "ngram": Family(lambda pk: NgramDrafter(), n=384),
+    "ngram-tree": Family(lambda pk: NgramDrafter(tree=True), 192, _tree_policy, TREE_NODES + 1, heavy=True),
     "medusa": Family(lambda pk: _medusa(pk, tree=False), n=384),
     "medusa-tree": Family(lambda pk: _medusa(pk, tree=True), 256, _tree_policy, TREE_NODES + 1, heavy=True),
     "mtp": Family(_mtp, n=192, heavy=True),
