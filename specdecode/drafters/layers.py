@@ -146,10 +146,12 @@ class DraftAttention(nn.Module):
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> k, v [B, N, Hk, D] (k normed when qk_norm, then RoPE)."""
         B, N, _ = x.shape
-        k = self.k_proj(x).view(B, N, self.Hk, self.D)
-        if self.qk_norm:
-            k = self.k_norm(k)
-        return apply_rope(k, cos, sin), self.v_proj(x).view(B, N, self.Hk, self.D)
+        k, v = self.k_proj(x).view(B, N, self.Hk, self.D), self.v_proj(x).view(B, N, self.Hk, self.D)
+        return self._rope_k(k, cos, sin), v
+
+    def _rope_k(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected keys [B, N, Hk, D] -> normed when qk_norm, then RoPE."""
+        return apply_rope(self.k_norm(k) if self.qk_norm else k, cos, sin)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> q [B, N, H, D], k/v [B, N, Hk, D] (RoPE applied to q and k)."""
@@ -160,9 +162,7 @@ class DraftAttention(nn.Module):
         else:  # one product for the three projections
             qkv = self.fused_qkv(x.reshape(B * N, -1)).view(B, N, self.H + 2 * self.Hk, self.D)
             q, k, v = qkv.split([self.H, self.Hk, self.Hk], dim=2)
-            if self.qk_norm:
-                k = self.k_norm(k)
-            k = apply_rope(k, cos, sin)
+            k = self._rope_k(k, cos, sin)
         if self.qk_norm:
             q = self.q_norm(q)
         return apply_rope(q, cos, sin), k, v

@@ -12,6 +12,8 @@ verify pass checks every branch and keeps the longest accepted path. Still point
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -19,19 +21,22 @@ from specdecode.drafter import Drafter, DraftRow, Method, Proposal
 from specdecode.errors import SpecDecodeError
 
 
-def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> np.ndarray:
-    """Tokens that followed the latest earlier match of the trailing n-gram; longest n first."""
+def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator[int]:
+    """Where the continuations of the earlier matches of the trailing n-gram start: longest n
+    first, the most recent match first (lazily: a shorter n is searched only when asked)."""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         pattern = tokens[n_tok - n :]
         # Windows that start at i and end before the trailing n-gram itself.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
-        hits = np.nonzero((windows == pattern).all(axis=1))[0]
-        if len(hits) == 0:
-            continue
-        start = int(hits[-1]) + n  # the token after the most recent match
-        return tokens[start : start + k]
-    return tokens[:0]
+        for hit in np.nonzero((windows == pattern).all(axis=1))[0][::-1].tolist():
+            yield hit + n  # the token after the match
+
+
+def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> np.ndarray:
+    """Tokens that followed the latest earlier match of the trailing n-gram; longest n first."""
+    start = next(match_starts(tokens, min_ngram, max_ngram), None)
+    return tokens[:0] if start is None else tokens[start : start + k]
 
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
@@ -43,29 +48,24 @@ def lookup_tree(
     """(token, parent) per node of a tree of at most `budget` nodes, parents first (-1: the last
     context token): the continuations of the earlier matches of the trailing n-gram, longest n
     first, most recent match first, each continuation inserted along the tree's shared prefix."""
-    n_tok = len(tokens)
     toks: list[int] = []
     parents: list[int] = []
     children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     seen: set[int] = set()  # continuation starts already inserted (a shorter n finds them again)
-    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-        pattern = tokens[n_tok - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
-        for hit in np.nonzero((windows == pattern).all(axis=1))[0][::-1].tolist():
-            start = hit + n
-            if start in seen:
-                continue
-            seen.add(start)
-            node = -1
-            for t in tokens[start : start + depth].tolist():
-                nxt = children.get((node, t))
-                if nxt is None:
-                    if len(toks) == budget:
-                        return toks, parents
-                    nxt = children[(node, t)] = len(toks)
-                    toks.append(t)
-                    parents.append(node)
-                node = nxt
+    for start in match_starts(tokens, min_ngram, max_ngram):
+        if start in seen:
+            continue
+        seen.add(start)
+        node = -1
+        for t in tokens[start : start + depth].tolist():
+            nxt = children.get((node, t))
+            if nxt is None:
+                if len(toks) == budget:
+                    return toks, parents
+                nxt = children[(node, t)] = len(toks)
+                toks.append(t)
+                parents.append(node)
+            node = nxt
     return toks, parents
 
 
