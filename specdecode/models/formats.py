@@ -54,7 +54,8 @@ from specdecode.assets import cache_dir
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
 
-BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # rows M of a product: one step ... a prefill chunk
+BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
+LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
 AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx")
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
@@ -291,7 +292,11 @@ def measure_kernels(
 
     `_MEASURE_LAYERS` layers of random weights are timed and scaled to `num_layers`; the head
     is timed once. Candidates are interleaved within each repeat so machine noise hits all
-    alike, and the minimum over repeats is kept: interference only ever adds time.
+    alike, and the minimum over repeats is kept: interference only ever adds time. Buckets
+    past `LARGE` rows (prefill packs, the trainer's target forward) would take minutes on a
+    big model: they are timed with two repeats, without the head (which sees one row per
+    request there) and only for the kernels within 2x of the fastest at the bucket before
+    (None for the rest).
     """
     gen = torch.Generator().manual_seed(0)
     layers = [[torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes] for _ in range(_MEASURE_LAYERS)]
@@ -311,16 +316,21 @@ def measure_kernels(
     scale = num_layers / _MEASURE_LAYERS
     out: dict[str, list[float | None]] = {k: [None] * len(buckets) for k in candidates}
     for bi, m in enumerate(buckets):
+        large = m > LARGE and bi > 0
         acts = {i: torch.randn(m, i, generator=gen) for _, i in shapes}
-        h = None if head is None else torch.randn(m, head[1], generator=gen)
-        times: dict[str, list[float]] = {k: [] for k in prepared}
-        for r in range(repeats + 1):
-            for k, (fns, hf) in prepared.items():
+        h = None if head is None or large else torch.randn(m, head[1], generator=gen)
+        racing = prepared
+        if large:
+            prev = {k: out[k][bi - 1] for k in prepared if out[k][bi - 1] is not None}
+            racing = {k: prepared[k] for k in prev if prev[k] <= 2 * min(prev.values())}
+        times: dict[str, list[float]] = {k: [] for k in racing}
+        for r in range((2 if large else repeats) + 1):
+            for k, (fns, hf) in racing.items():
                 t0 = time.perf_counter()
                 for j, fn in enumerate(fns):
                     fn(acts[shapes[j % len(shapes)][1]])
                 t1 = time.perf_counter()
-                if hf is not None:
+                if hf is not None and h is not None:
                     hf(h)
                 t2 = time.perf_counter()
                 if r:  # the first round warms up

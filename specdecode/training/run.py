@@ -146,8 +146,10 @@ def run_training(
         kw = (method_kw or {}).get(m) if many else method_kw
         if many and (kw or {}).get("mode", "frozen") != "frozen":
             raise SpecDecodeError("native MTP training runs the target itself: train it on its own")
-        init = None
-        if init_from is not None and read_state(m_cfg.out_dir, m) is None:
+        init, resumed = None, read_state(m_cfg.out_dir, m)
+        if resumed is not None:  # rebuilt on the vocabulary the run trains, not one picked again
+            kw = with_vocabulary(kw, resumed["module"])
+        elif init_from is not None:
             init = Path(init_from) / m if many else Path(init_from)
             arch, state = load_checkpoint(init, m, target)  # another method or target is refused
             kw = with_vocabulary(kw, state)

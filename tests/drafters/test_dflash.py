@@ -180,7 +180,7 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     vocabulary (the drafter puts no mass outside its vocabulary); without it, p_t is
     renormalised on the draft vocabulary."""
     from specdecode.drafters.dspark.model import DSpark
-    from specdecode.training.methods.dspark import dspark_loss, full_logsumexp
+    from specdecode.training.methods.dspark import dspark_loss, target_on_draft_vocab
 
     torch.manual_seed(0)
     cfg = DFlashConfig(
@@ -201,8 +201,9 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
         "prev": torch.tensor([[[0, 1]]]),
         "weight": torch.ones(S, A, K),
     }
-    tgt = (h_t @ head_w.T).view(S, A, K, 6)
-    lse = full_logsumexp(h_t, head_full, chunk=1).view(S, A, K)
+    tgt, lse = target_on_draft_vocab(h_t, lambda x: x @ head_full.T, d2t, chunk=1)
+    tgt, lse = tgt.view(S, A, K, 6), lse.view(S, A, K)
+    assert torch.allclose(tgt, (h_t @ head_w.T).view(S, A, K, 6))
     assert torch.allclose(lse, torch.logsumexp(h_t @ head_full.T, -1).view(S, A, K), atol=1e-5)
     _, logs = dspark_loss(net, head_w, t2d, packed, tgt, lse)
     p_full = torch.softmax(h_t @ head_full.T, -1).view(S, A, K, 10)

@@ -60,7 +60,7 @@ def test_int4_matches_its_dequantized_weights():
 
 
 def test_plan_dispatches_by_rows_and_names_itself():
-    plan = FormatPlan(("bf16", "fp32", "fp32", "fp32", "fp32", "fp32", "fp32"))
+    plan = FormatPlan(("bf16",) + ("fp32",) * (len(BUCKETS) - 1))
     assert plan.act_dtype == torch.float32 and plan.name == "bf16@1,fp32@2+"
     assert forced_plan("bf16", "cpu").act_dtype == torch.bfloat16
     assert forced_plan("bf16", "cuda").kernels == ("bf16",) * len(BUCKETS)
@@ -70,7 +70,7 @@ def test_plan_dispatches_by_rows_and_names_itself():
     one, two = torch.randn(1, 32), torch.randn(2, 32)
     assert torch.equal(lin(one), KERNELS["bf16"](w, None)(one))  # M = 1: the bf16 copy
     assert torch.equal(lin(two), KERNELS["fp32"](w, None)(two))  # M >= 2: the fp32 weights
-    assert lin(torch.randn(1000, 32)).shape == (1000, 16)  # past the last bucket: its kernel
+    assert lin(torch.randn(BUCKETS[-1] + 5, 32)).shape == (BUCKETS[-1] + 5, 16)  # past the last bucket
     with pytest.raises(SpecDecodeError, match="weight format"):
         forced_plan("fp8")
     with pytest.raises(SpecDecodeError, match="plan needs"):
@@ -88,17 +88,38 @@ def test_profile_picks_the_fastest_kernel_per_bucket():
 def test_profile_keeps_few_copies_of_the_weights():
     # the AMX machine's measurement: three kernels are fastest somewhere, two within 10 % cover all
     profile = {
-        "bf16w": [10.0, 12.2, 16.3, 31.4, 46.1, 141.6, 541.4],
-        "bf16-amx": [11.7, 11.8, 11.9, 17.5, 14.9, 36.0, 126.3],
-        "bf16-onednn": [17.6, 18.1, 17.9, 33.4, 22.4, 34.1, 121.6],
+        "bf16w": [10.0, 12.2, 16.3, 31.4, 46.1, 141.6, 541.4, None],
+        "bf16-amx": [11.7, 11.8, 11.9, 17.5, 14.9, 36.0, 126.3, 480.0],
+        "bf16-onednn": [17.6, 18.1, 17.9, 33.4, 22.4, 34.1, 121.6, 470.0],
         "fp32": [None] * len(BUCKETS),
     }
     # without slack three kernels are fastest somewhere: the pair with the least total serves
-    assert formats.plan_from_profile(profile, slack=1.0).kernels == ("bf16-amx",) * 5 + ("bf16-onednn",) * 2
+    assert formats.plan_from_profile(profile, slack=1.0).kernels == ("bf16-amx",) * 5 + ("bf16-onednn",) * 3
     assert formats.plan_from_profile(profile).kernels == ("bf16w",) + ("bf16-amx",) * (len(BUCKETS) - 1)
     # a kernel within the slack everywhere serves alone
     profile["bf16-amx"][0] = 10.9
     assert formats.plan_from_profile(profile).kernels == ("bf16-amx",) * len(BUCKETS)
+
+
+def test_large_buckets_race_only_the_kernels_near_the_fastest(monkeypatch):
+    import time
+
+    def slow(w, b):
+        fn = KERNELS["fp32"](w, b)
+
+        def product(x):
+            time.sleep(0.002)
+            return fn(x)
+
+        return product
+
+    monkeypatch.setitem(KERNELS, "slow", slow)
+    shapes = [(16, 32), (32, 16)]
+    out = formats.measure_kernels(
+        shapes, (64, 32), 2, ("fp32", "slow"), buckets=(4, formats.LARGE + 1), repeats=1
+    )
+    assert out["slow"][0] > 2 * out["fp32"][0]  # timed where rows are few
+    assert out["slow"][1] is None and out["fp32"][1] > 0  # left out of the large bucket
 
 
 def test_auto_measures_once_per_machine(tmp_path, monkeypatch):

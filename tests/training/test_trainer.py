@@ -150,6 +150,15 @@ def test_a_warm_start_trains_on_the_vocabulary_its_head_was_trained_on(data, tmp
     assert torch.equal(task.net.d2t.cpu(), saved)
     head_rows = task.module._frozen[1]  # the target head rows the labels are computed with
     torch.testing.assert_close(head_rows, target.model.lm_head_weight()[saved].float())
+    # ... and so must a resume of that warm-started run (it once picked the vocabulary again)
+    monkeypatch.undo()
+    warm = tmp_path / "warm2"
+    run_training("eagle", target, other, warm, cfg(warm, stop_at=1), kw, progress=False, init_from=first)
+    jobs.clear()
+    monkeypatch.setattr(run_mod, "train_many", lambda j, *a, **k: jobs.extend(j) or [{}])
+    run_training("eagle", target, other, warm, cfg(warm), kw, progress=False, init_from=first)
+    task = jobs[0][0]
+    torch.testing.assert_close(task.module._frozen[1], target.model.lm_head_weight()[saved].float())
 
 
 def test_offline_vs_served_scores_a_run_on_its_own_vocabulary(data, tmp_path, monkeypatch):

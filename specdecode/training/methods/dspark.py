@@ -4,7 +4,8 @@ heads, and the distribution-matching loss (needs the target's final normed state
 Contract: `DSparkTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors,
 markov_rank)`; `make_drafter()` returns a `DSparkDrafter` over the current weights. The loss gets
 p_t over the full vocabulary: the draft-vocabulary logits plus the log-sum-exp of all the
-target's logits (computed in row chunks with the full head).
+target's logits, both from one product of the target's own head (its measured formats) per row
+chunk, once per distinct row (the blocks of nearby anchors overlap).
 
 The loss:
 - `dspark_loss(net, head_w, t2d, packed, target_logits, target_lse)`: with p_d = softmax of the
@@ -73,32 +74,36 @@ def dspark_loss(
 
 
 class DSparkLoss(DFlashLoss):
-    def __init__(self, net, target, num_anchors: int):
-        super().__init__(net, target, num_anchors)
-        # The frozen full head in fp32, for the target's log-sum-exp (kept out of the state dict).
-        self._full_head = [target.model.lm_head_weight().float()]  # [V, d]
-
     def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
-        _, head_w, t2d = self._frozen
+        target, head_w, t2d = self._frozen
         dev = batch["input_ids"].device
-        head_w = head_w.to(dev)
         packed = self.pack(batch, feats)
         S, A, K = packed["label_pos"].shape
         with torch.no_grad():  # the target's distribution for each label, from the row before it
-            rows = (packed["label_pos"] - 1).clamp(max=feats[FINAL_NORM].shape[1] - 1).view(S, -1)
-            h = torch.gather(
-                feats[FINAL_NORM].to(dev).float(), 1, rows[..., None].expand(-1, -1, head_w.shape[1])
+            final = feats[FINAL_NORM].to(dev)  # [S, T, d]
+            T = final.shape[1]
+            rows = (packed["label_pos"] - 1).clamp(max=T - 1).view(S, -1)  # [S, A*K]
+            flat = (rows + T * torch.arange(S, device=dev)[:, None]).view(-1)
+            uniq, inv = torch.unique(flat, return_inverse=True)  # blocks overlap: each row once
+            logits_d, lse = target_on_draft_vocab(
+                final.reshape(S * T, -1)[uniq], target.model.lm_head, self.net.d2t
             )
-            tgt = (h @ head_w.T).view(S, A, K, -1)  # [S, A, K, Vd]
-            lse = full_logsumexp(h.view(-1, h.shape[-1]), self._full_head[0]).view(S, A, K)
-        return dspark_loss(self.net, head_w, t2d, packed, tgt, lse)
+            tgt = logits_d[inv].view(S, A, K, -1)  # [S, A, K, Vd]
+        return dspark_loss(self.net, head_w.to(dev), t2d, packed, tgt, lse[inv].view(S, A, K))
 
 
-def full_logsumexp(h: torch.Tensor, head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """[N, d] states, [V, d] head -> [N] log-sum-exp of the full-vocabulary logits (fp32)."""
-    w = head.to(h.device, torch.float32)
-    parts = [torch.logsumexp(h[i : i + chunk].float() @ w.T, dim=-1) for i in range(0, len(h), chunk)]
-    return torch.cat(parts)
+def target_on_draft_vocab(
+    h: torch.Tensor,  # [N, d] the target's final normed states
+    head,  # [N, d] -> [N, V] fp32: the target's full head (its own formats)
+    d2t: torch.Tensor,  # [Vd] long: the draft vocabulary's target ids
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits on the draft vocabulary [N, Vd] and the log-sum-exp of its
+    full-vocabulary logits [N], both from one product per row chunk (so p_t = exp(logits - lse)
+    is a sub-distribution of one consistent softmax, whatever the head's rounding)."""
+    d2t = d2t.to(h.device)
+    parts = [head(h[i : i + chunk]) for i in range(0, len(h), chunk)]  # [n, V] each
+    return torch.cat([z[:, d2t] for z in parts]), torch.cat([torch.logsumexp(z, dim=-1) for z in parts])
 
 
 class DSparkTask(DFlashTask):
