@@ -2,6 +2,10 @@
 
 Contract:
 - `ece(p [N], y [N], bins=20)`: expected calibration error with equal-width bins.
+  `ece_floor(p [N], bins)`: the ECE a perfectly calibrated head with these confidences would
+  read on N rounds (mean over labels drawn y ~ Bernoulli(p), seeded): the estimator's own
+  sampling noise, so a measured ECE near it says "calibrated, as far as N rounds can tell"
+  (with 20 bins and ~500 rounds it is several percent).
   `auroc(p, y)`: area under the ROC curve (rank statistic; ties averaged; NaN with one class).
 - `fit_sts(z [N, K], drafted [N, K], accepted [N], grid)`: one temperature per position, fit left
   to right: for position k every grid value is tried with positions < k frozen, and the one
@@ -11,7 +15,7 @@ Contract:
   sigmoid(z_k / t_k + b_k), for a head whose confidences are off by a constant (a temperature
   alone cannot move a logit's sign; an over-fitted head is over-confident everywhere).
 - `survival(z, temps)` -> a [N, K]; `report(z, drafted, accepted, temps)` -> per-position
-  {n, rate, ece, auroc}.
+  {n, rate, ece, ece_floor, auroc}.
 - `collect(target, drafter, prompts, ...)`: runs real speculative decoding (fixed K = the
   drafter's block, temperatures set to 1 while recording) and returns, per round and request,
   the raw confidence logits of the drafted positions and the number of drafts accepted.
@@ -55,6 +59,14 @@ def ece(p: torch.Tensor, y: torch.Tensor, bins: int = 20) -> float:
         idx, weights=y.double(), minlength=bins
     )
     return float(gap.abs().sum()) / len(p)
+
+
+def ece_floor(p: torch.Tensor, bins: int = 20, draws: int = 200, seed: int = 0) -> float:
+    if len(p) == 0:
+        return float("nan")
+    g = torch.Generator().manual_seed(seed)
+    p = p.double().clamp(0, 1)
+    return sum(ece(p, torch.bernoulli(p, generator=g), bins) for _ in range(draws)) / draws
 
 
 def auroc(p: torch.Tensor, y: torch.Tensor) -> float:
@@ -116,6 +128,7 @@ def report(z, drafted, accepted, temps, biases=None, bins: int = 20) -> list[dic
                 "n": int(m.sum()),
                 "rate": float(y[m, k].float().mean()) if m.any() else float("nan"),
                 "ece": ece(a[m, k], y[m, k], bins),
+                "ece_floor": ece_floor(a[m, k], bins),
                 "auroc": auroc(a[m, k], y[m, k]),
             }
         )
@@ -290,14 +303,15 @@ def calibrate(
 
 def format_table(result: dict) -> str:
     lines = [
-        "| position | rounds | prefix acceptance | ECE raw | ECE STS | AUROC raw | AUROC STS "
-        "| temperature | bias |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| position | rounds | prefix acceptance | ECE raw | ECE STS | ECE floor | AUROC raw "
+        "| AUROC STS | temperature | bias |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = zip(result["before"], result["after"], result["sts_temperature"], result["sts_bias"], strict=True)
     for b, a, t, bias in rows:
         lines.append(
             f"| {b['position']} | {b['n']} | {b['rate']:.3f} | {100 * b['ece']:.2f} % "
-            f"| {100 * a['ece']:.2f} % | {b['auroc']:.3f} | {a['auroc']:.3f} | {t:.3g} | {bias:.2g} |"
+            f"| {100 * a['ece']:.2f} % | {100 * a['ece_floor']:.2f} % | {b['auroc']:.3f} | {a['auroc']:.3f} "
+            f"| {t:.3g} | {bias:.2g} |"
         )
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load
 from specdecode.drafters.dspark import load_dspark
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK
-from specdecode.training.calibrate import auroc, ece, fit_sts, labels, report, survival
+from specdecode.training.calibrate import auroc, ece, ece_floor, fit_sts, labels, report, survival
 from specdecode.training.data import load_sequences
 from specdecode.training.features import TargetFeatures
 from specdecode.training.methods.dflash import block_batch
@@ -226,6 +226,18 @@ def test_ece_and_auroc():
     # 2 bins: [0.1, 0.4, 0.35] -> |0.2833 - 1/3|; [0.8] -> |0.8 - 1|
     assert ece(p, y, bins=2) == pytest.approx((3 * abs(0.85 / 3 - 1 / 3) + 0.2) / 4)
     assert ece(torch.tensor([1.0, 0.0]), torch.tensor([1, 0])) == 0.0
+
+
+def test_ece_floor_is_the_noise_of_the_estimator_itself():
+    """A perfectly calibrated head reads an ECE near the floor (its sampling noise), which
+    shrinks as rounds grow; a mis-calibrated head reads well above it."""
+    g = torch.Generator().manual_seed(3)
+    few, many = 0.1 + 0.8 * torch.rand(500, generator=g), 0.1 + 0.8 * torch.rand(50_000, generator=g)
+    floor_few, floor_many = ece_floor(few, draws=50), ece_floor(many, draws=20)
+    assert floor_few > 0.02 and floor_many < 0.01  # ~1/sqrt(N)
+    calibrated = torch.bernoulli(many, generator=g)
+    assert ece(many, calibrated) < 2 * floor_many
+    assert ece(many, torch.bernoulli(many**2, generator=g)) > 10 * floor_many
 
 
 def _sequential_labels(p, g):
