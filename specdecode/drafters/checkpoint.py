@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.drafters.layers import use_formats
+from specdecode.drafters.layers import cpu_plan, use_formats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats import BUCKETS
 
@@ -173,7 +173,7 @@ def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module
         state.setdefault(k, v)
     net.load_state_dict(state)
     net = net.to(device=target.model.info.device, dtype=drafter_dtype(target)).eval()
-    plan = getattr(target.model, "plan", None)
-    if plan is not None and target.model.info.device.type == "cpu":
+    plan = cpu_plan(target)
+    if plan is not None:
         use_formats(net, plan)  # the products in the formats measured fastest here
     return net

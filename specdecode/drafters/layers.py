@@ -202,21 +202,32 @@ class FusedRMSNorm(nn.RMSNorm):
 
 
 class PlannedLinear(nn.Module):
-    """A frozen nn.Linear whose product runs in a format plan: [.., in] -> [.., out]. The weight
-    (and bias) stay parameters, so state_dict keys are unchanged; the plan's copies of them are
-    made once, so later changes to the parameters are not seen (inference only)."""
+    """A frozen projection whose product runs in a format plan: [.., in] -> [.., out]. Made from
+    a weight [out, in] (+ bias), or from an nn.Linear (`of`), whose weight and bias then stay
+    parameters, so state_dict keys are unchanged. The plan's copies are made once: later changes
+    to the parameters are not seen (inference only)."""
 
-    def __init__(self, lin: nn.Linear, plan: formats.FormatPlan) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: formats.FormatPlan) -> None:
         super().__init__()
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.weight, self.bias = lin.weight, lin.bias
+        self.out_features, self.in_features = weight.shape
         with torch.no_grad():
-            bias = None if lin.bias is None else lin.bias.detach()
-            self.product = formats.Linear(lin.weight.detach(), bias, plan)
+            self.product = formats.Linear(weight.detach(), None if bias is None else bias.detach(), plan)
+
+    @classmethod
+    def of(cls, lin: nn.Linear, plan: formats.FormatPlan) -> PlannedLinear:
+        planned = cls(lin.weight, lin.bias, plan)
+        planned.weight, planned.bias = lin.weight, lin.bias
+        return planned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x.reshape(-1, self.in_features))  # [M, out]
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def cpu_plan(target) -> formats.FormatPlan | None:
+    """The target's measured format plan when it runs on CPU (where drafters follow it), else None."""
+    plan = getattr(target.model, "plan", None)
+    return plan if plan is not None and target.model.info.device.type == "cpu" else None
 
 
 def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
@@ -238,7 +249,7 @@ def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
 def _swap(net: nn.Module, plan: formats.FormatPlan) -> None:
     for name, child in list(net.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(net, name, PlannedLinear(child, plan))
+            setattr(net, name, PlannedLinear.of(child, plan))
         elif type(child) is nn.RMSNorm and child.normalized_shape == (child.normalized_shape[-1],):
             fused = FusedRMSNorm(child.normalized_shape, child.eps, child.elementwise_affine)
             fused.weight = child.weight

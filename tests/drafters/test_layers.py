@@ -101,7 +101,7 @@ def test_planned_linear_runs_each_row_count_in_its_bucket_kernel():
     lin = nn.Linear(32, 8, bias=False)
     lin.weight.data = torch.randn(8, 32, generator=g)
     x = torch.randn(3, 32, generator=g)
-    planned = PlannedLinear(lin, plan)
+    planned = PlannedLinear.of(lin, plan)
     one = x[:1].bfloat16() @ lin.weight.bfloat16().t()
     assert torch.equal(planned(x[:1]), one.float())
     assert torch.equal(planned(x), x @ lin.weight.t())

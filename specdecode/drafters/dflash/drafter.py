@@ -29,8 +29,7 @@ import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
-from specdecode.drafters.layers import DraftVocab
-from specdecode.models import formats
+from specdecode.drafters.layers import DraftVocab, PlannedLinear, cpu_plan
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
@@ -52,8 +51,8 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
-        plan = getattr(target.model, "plan", None)  # the head rows in the target's measured formats
-        self.head = formats.Linear(self.head_w, None, plan) if plan and self.device.type == "cpu" else None
+        plan = cpu_plan(target)  # the head rows in the target's measured formats
+        self.head = PlannedLinear(self.head_w, None, plan) if plan and self.device.type == "cpu" else None
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
@@ -125,9 +124,7 @@ class DFlashDrafter(Drafter):
     # ---- propose --------------------------------------------------------------------------
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """[B', K, d] final states -> [B', K, Vd] logits over the draft vocabulary."""
-        if self.head is None:
-            return self.net.logits(states, self.head_w)
-        return self.head(states.reshape(-1, states.shape[-1])).view(*states.shape[:-1], -1)
+        return self.net.logits(states, self.head_w) if self.head is None else self.head(states)
 
     def _uniforms(self, batch, idx, num, j) -> torch.Tensor:
         """One uniform per request that drafts position j (exactly num[b] per request)."""
