@@ -83,7 +83,7 @@ def test_generate_streams_text_and_summary(capsys, tiny_llama_dir):
         (["--top-p", "1.5"], "top_p must be in"),
         (["--top-k", "-2"], "top_k must be"),
         (["--num-draft-tokens", "-1", "--method", "ngram"], "must be >= 0"),
-        (["--method", "nope"], "unknown method 'nope'; choose one of: ar, ngram, ngram-tree, draft"),
+        (["--method", "nope"], "unknown method 'nope'; choose one of: ar, ngram, ngram-tree, ngram-table,"),
         (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
         (["--method", "draft"], "needs a drafter model"),
     ],

@@ -12,7 +12,7 @@ from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafter import Proposal
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.ngram import NgramDrafter, NgramTable
 from specdecode.models.loader import load_model
 from specdecode.policy import AdaptiveK, FixedK
 from specdecode.verify import Verdict
@@ -62,6 +62,22 @@ def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
     if name == "draft-never-agrees":
         assert all(s.tau == 1.0 for s in spec)
         assert all(a == 0 for s in spec for a in s.accepted_per_position)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_greedy_ar_with_an_ngram_table(tiny, k):
+    """ngram-table drafts from a table of the target's own answers (here: to these prompts, so
+    its walks are often right) and of random text (often wrong): greedy output stays ar's."""
+    prompts = _prompts(tiny.tokenizer)
+    base = _decode(tiny, ARDrafter(), 0, prompts)
+    noise = torch.randint(0, tiny.vocab_size, (4, 300), generator=torch.Generator().manual_seed(0))
+    own = [p + b.token_ids for p, b in zip(prompts, base, strict=True)]
+    table = NgramTable.build([*own, *noise.tolist()], orders=(4, 3, 2), min_count=1)
+    spec = _decode(tiny, NgramDrafter(table=table), k, prompts)
+    for b, s in zip(base, spec, strict=True):
+        assert s.token_ids == b.token_ids
+    accepted = sum(sum(s.accepted_per_position) for s in spec)
+    assert 0 < accepted < sum(s.num_drafted for s in spec)  # acceptances and rejections
 
 
 def test_greedy_speculative_equals_greedy_ar_with_a_bf16_kv_cache(tiny, monkeypatch):

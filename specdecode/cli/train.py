@@ -16,9 +16,11 @@ from pathlib import Path
 
 from specdecode.cli import options
 from specdecode.drafters import REGISTRY
+from specdecode.models.loader import load_model
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
 from specdecode.training.compare import format_rows
+from specdecode.training.ngram_table import build_table_checkpoint
 from specdecode.training.run import TRAINABLE, run_comparison, run_training, split_methods, trainable
 from specdecode.training.trainer import TrainConfig
 
@@ -30,7 +32,8 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "method",
         help=f"{', '.join(TRAINABLE)}; several comma-separated (e.g. dspark,eagle) train side by side on the "
-        "same batches with one target forward per batch, each in OUT/<method>",
+        "same batches with one target forward per batch, each in OUT/<method>; or ngram-table (counts the "
+        "n-gram table of the answers: seconds, no gradient; --min-count)",
     )
     options.add_target(t, required=True)
     options.add_data(t, _REGEN_HELP)
@@ -52,6 +55,9 @@ def add_parsers(sub) -> None:
     )
     t.add_argument("--feature-cache", default=None, help="directory to cache target features on disk")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter")
+    t.add_argument(
+        "--min-count", type=int, default=4, help="ngram-table: contexts seen fewer times are left out"
+    )
     options.add_seed(t)
     t.add_argument(
         "--init-from",
@@ -161,6 +167,14 @@ def _task_options(a: argparse.Namespace, method: str | None = None) -> dict:
 
 
 def train(a: argparse.Namespace) -> None:
+    if a.method == "ngram-table":  # counting, not gradient training
+        target = load_model(a.target, dtype=a.dtype, device="cpu")
+        summary = build_table_checkpoint(target, a.data, a.out, a.min_count)
+        print(
+            f"ngram-table: {summary['contexts']} contexts from {summary['answers']} answers "
+            f"({summary['tokens']} tokens) in {summary['seconds']} s; drafter checkpoint: {a.out}"
+        )
+        return
     cfg = TrainConfig(
         out_dir=a.out,
         steps=a.steps,

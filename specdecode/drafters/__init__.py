@@ -1,11 +1,12 @@
 """The drafter registry: every method family's `Method` record, in one place.
 
-Contract: `REGISTRY` lists one `drafter.Method` per drafter package, in the order the CLI shows
-them; `method_record(name)` finds the record that serves a `--method` name (refusing unknown
-names with the valid ones); `build_drafter(method, target, drafter_spec, ...)` returns a ready
-`Drafter` or raises `SpecDecodeError` saying what to pass. `METHODS`, `DEFAULT_NUM_DRAFT` and
-`DRAFTER_OPTIONS` are views of the records for the CLI and the API. Nothing method-specific
-lives outside the drafter packages.
+Contract: `REGISTRY` lists one `drafter.Method` per drafter family (a package or module; ngram's
+module holds two: prompt lookup, and the table-backed `ngram-table` with its own checkpoint
+kind), in the order the CLI shows them; `method_record(name)` finds the record that serves a
+`--method` name (refusing unknown names with the valid ones); `build_drafter(method, target,
+drafter_spec, ...)` returns a ready `Drafter` or raises `SpecDecodeError` saying what to pass.
+`METHODS`, `DEFAULT_NUM_DRAFT` and `DRAFTER_OPTIONS` are views of the records for the CLI and
+the API. Nothing method-specific lives outside the drafter packages.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
 REGISTRY: tuple[Method, ...] = (
     ar.METHOD,
     ngram.METHOD,
+    ngram.TABLE_METHOD,
     draft_model.METHOD,
     medusa.METHOD,
     mtp.METHOD,

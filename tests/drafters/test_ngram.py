@@ -1,9 +1,17 @@
 import numpy as np
+import pytest
 import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafter import DraftRow
-from specdecode.drafters.ngram import NgramDrafter, lookup_continuation, lookup_tree
+from specdecode.drafters.ngram import (
+    NgramDrafter,
+    NgramTable,
+    lookup_continuation,
+    lookup_tree,
+    table_continuation,
+)
+from specdecode.errors import SpecDecodeError
 
 
 def test_lookup_prefers_longest_and_latest_match():
@@ -54,3 +62,35 @@ def test_tree_proposal_is_point_mass_with_parents_first():
     assert prop.num_draft.tolist() == [11, 0]  # [1, 5, 7, 0, 4] and [6, 4, 1, 5, 7, 0] under 5
     parents = prop.parents[0].tolist()
     assert all(p < i for i, p in enumerate(parents))
+
+
+def test_table_keeps_the_most_frequent_next_token_of_frequent_contexts():
+    # (2, 3) is followed by 4 three times and by 5 once; (7, 8) once only; (5, 6) by 1 or 2 alike
+    seqs = [[1, 2, 3, 4]] * 3 + [[9, 2, 3, 5], [7, 8, 0], [5, 6, 1], [5, 6, 2], [0, 6, 1], [0, 6, 1]]
+    table = NgramTable.build(seqs, orders=(2, 1), min_count=2, min_share=0.6)
+    assert table.draft(np.array([0, 2, 3]), 1).tolist() == [4]
+    assert table.draft(np.array([1, 2]), 3).tolist() == [3, 4]  # a walk: each token extends the context
+    # (7, 8) is too rare to keep: the walk backs off to (8,), unseen too, and stops
+    assert table.draft(np.array([7, 8]), 2).tolist() == []
+    # (5, 6) splits 1:1, under min_share: a stop, even though the shorter (6,) prefers 1 (3 of 4)
+    assert table.draft(np.array([5, 6]), 2).tolist() == []
+    assert table.draft(np.array([3, 6]), 1).tolist() == [1]  # (3, 6) unseen: (6,) decides
+    again = NgramTable.from_state(table.state())
+    for n, (k, x) in table.tables.items():
+        assert np.array_equal(again.tables[n][0], k) and np.array_equal(again.tables[n][1], x)
+
+
+def test_table_continuation_prefers_the_context_then_the_table_then_one_token_matches():
+    table = NgramTable.build([[4, 5, 6, 7]] * 2, orders=(2,), min_count=2)
+    # the context repeats [1, 2]: its continuation wins over the table
+    assert table_continuation(np.array([1, 2, 9, 4, 5, 1, 2]), 2, table, 1, 3).tolist() == [9, 4]
+    # no match of 2+ tokens in the context: the table's walk after (4, 5)
+    assert table_continuation(np.array([5, 8, 4, 5]), 3, table, 1, 3).tolist() == [6, 7]
+    # neither: the latest single-token match ([8] -> 3)
+    assert table_continuation(np.array([8, 3, 1, 8]), 2, table, 1, 3).tolist() == [3, 1]
+    d = NgramDrafter(table=table)
+    rows = [DraftRow(0, [5, 8, 4, 5], SamplingParams(), torch.Generator())]
+    prop = d.propose(rows, [3])
+    assert d.name == "ngram-table" and prop.draft_probs is None and prop.draft_ids[0].tolist() == [6, 7]
+    with pytest.raises(SpecDecodeError, match="ngram-table"):
+        NgramDrafter(tree=True, table=table)

@@ -44,7 +44,7 @@ from specdecode.drafters.eagle import Eagle3, EagleConfig, EagleDrafter, TreeSpe
 from specdecode.drafters.layers import target_shape
 from specdecode.drafters.medusa import Medusa, MedusaConfig, MedusaDrafter
 from specdecode.drafters.mtp import MTP, MTPConfig, MTPDrafter
-from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.ngram import NgramDrafter, NgramTable
 from specdecode.policy import FixedK, ScheduledK, StepCostModel
 from specdecode.tree import tree_from_paths
 
@@ -162,6 +162,15 @@ def _draft_model(pk):
     return DraftModelDrafter(pk.draft.model, pk.target.vocab_size, pk.target.model.info.vocab_size)
 
 
+def _random_table(pk):
+    # random text over the target's likely tokens: every short context is in the table, so the
+    # walk drafts whenever the prompt holds no match of two tokens or more
+    g = torch.Generator().manual_seed(5)
+    support = torch.tensor(pk.support)
+    text = support[torch.randint(0, len(support), (2000,), generator=g)]
+    return NgramTable.build([text.tolist()], orders=(2,), min_count=1, min_share=0.0)
+
+
 def _tree_policy():
     return FixedK(TREE_NODES)
 
@@ -170,6 +179,7 @@ FAMILIES = {
     "draft": Family(_draft_model, n=768),
     "ngram": Family(lambda pk: NgramDrafter(), n=384),
     "ngram-tree": Family(lambda pk: NgramDrafter(tree=True), 192, _tree_policy, TREE_NODES + 1, heavy=True),
+    "ngram-table": Family(lambda pk: NgramDrafter(table=_random_table(pk)), n=384),
     "medusa": Family(lambda pk: _medusa(pk, tree=False), n=384),
     "medusa-tree": Family(lambda pk: _medusa(pk, tree=True), 256, _tree_policy, TREE_NODES + 1, heavy=True),
     "mtp": Family(_mtp, n=192, heavy=True),

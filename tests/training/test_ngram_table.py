@@ -1,0 +1,37 @@
+"""`specdecode train ngram-table`: the table of the target's own answers, as a drafter checkpoint."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specdecode.drafters import build_drafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.errors import SpecDecodeError
+from specdecode.training.ngram_table import build_table_checkpoint
+from specdecode.training.regen import read_regen
+
+
+@pytest.fixture(scope="module")
+def data(make_regen):
+    return make_regen("table", 12, "count the stones of wall number {}")
+
+
+def test_a_table_checkpoint_serves_ngram_table_and_knows_its_answers(data, tmp_path):
+    target, regen = data
+    out = tmp_path / "table"
+    summary = build_table_checkpoint(target, regen, out, min_count=1)
+    assert summary["answers"] == 12 and summary["contexts"] > 0
+    card = json.loads((out / "config.json").read_text())
+    assert card["method"] == "ngram-table" and card["arch"]["orders"] == [4, 3, 2]
+    drafter = build_drafter("ngram-table", target, str(out))
+    assert isinstance(drafter, NgramDrafter) and drafter.name == "ngram-table"
+    # every answer's own contexts are in the table: a walk from its first 4 tokens drafts its next one
+    rec = read_regen(regen, "train")[0]
+    start = rec["loss_mask"].index(1)
+    ctx = np.asarray(rec["input_ids"][start - 3 : start + 1])
+    assert len(drafter.table.draft(ctx, 1)) == 1
+    with pytest.raises(SpecDecodeError, match="not used|ngram"):
+        build_drafter("ngram", target, str(out))  # plain prompt lookup reads no table
+    with pytest.raises(SpecDecodeError, match="min-count"):
+        build_table_checkpoint(target, regen, tmp_path / "x", min_count=0)
