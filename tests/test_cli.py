@@ -142,3 +142,22 @@ def test_data_build_writes_a_disjoint_prompt_set(capsys, tmp_path):
     assert len(lines) + len(held) == 200 and "train" in out
     code, _, err = _run(capsys, "data", "build", "--out", str(tmp_path / "d"), "--num-prompts", "300")
     assert code == 2 and "overwrite" in err
+
+
+def test_demo_compares_ar_with_the_method_asked_for(capsys, tiny_llama_dir):
+    code, out, _ = _run(
+        capsys,
+        "demo",
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "ngram",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "fp32",
+    )
+    assert code in (0, None)
+    assert "Overall: ngram tau" in out and "identical greedy output on" in out
+    code, _, err = _run(capsys, "demo", "--target", str(tiny_llama_dir), "--method", "ngram-table")
+    assert code == 2 and "ngram-table" in err  # no table ships for this model: says what to do
