@@ -17,7 +17,7 @@ SHIPPED = sorted(d for d in SHIPPED_ROOT.iterdir() if (d / "config.json").is_fil
 
 def test_shipped_drafters_have_cards_and_fit_the_limit():
     methods = {json.loads((d / "config.json").read_text())["method"] for d in SHIPPED}
-    assert {"eagle", "medusa", "mtp", "draft", "dflash", "dspark"} <= methods
+    assert {"eagle", "medusa", "mtp", "draft", "dflash", "dspark", "ngram-table"} <= methods
     for d in SHIPPED:
         assert (d / "model.safetensors").stat().st_size <= 40 * 2**20
         card = (d / "README.md").read_text()
@@ -30,7 +30,9 @@ def smollm2(smollm2_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["eagle", "eagle-tree", "medusa", "mtp", "draft", "dflash", "dspark"])
+@pytest.mark.parametrize(
+    "method", ["eagle", "eagle-tree", "medusa", "mtp", "draft", "dflash", "dspark", "ngram-table"]
+)
 def test_shipped_drafter_is_the_default_and_greedy_exact(smollm2, method):
     tok = smollm2.tokenizer
     prompt = tok.apply_chat_template(
