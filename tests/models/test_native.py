@@ -300,7 +300,7 @@ def test_smollm2_matches_transformers_fp32(smollm2_dir, hf_reference):
 
 def test_bf16_upcast_path_agrees_and_prefill_can_skip_logits(tiny_llama_dir):
     """Forced bf16 multiplies prefill-sized products in fp32 (bf16-up); same model as pure bf16."""
-    from specdecode.models.formats import FormatPlan, forced_plan
+    from specdecode.models.formats import BUCKETS, FormatPlan, forced_plan
     from specdecode.models.loader import load_model
 
     m = load_model(str(tiny_llama_dir), dtype="bf16", device="cpu").model
@@ -308,7 +308,7 @@ def test_bf16_upcast_path_agrees_and_prefill_can_skip_logits(tiny_llama_dir):
     ids = torch.randint(0, 300, (1, 24))
     pos = torch.arange(24)[None]
     outs = []
-    for plan in (FormatPlan(("bf16",) * 7), forced_plan("bf16")):
+    for plan in (FormatPlan(("bf16",) * len(BUCKETS)), forced_plan("bf16")):
         m.use_formats(plan)
         cache = m.new_cache(1, 64)
         outs.append(m.forward(ids, pos, cache, [0]).logits)
@@ -321,9 +321,9 @@ def test_masters_shrink_to_bf16_only_when_exact_and_unread(tiny_llama_dir):
     """A plan whose kernels all hold their own weight copies (here int8) lets the projection
     masters of a bf16-exact model become bf16; the model computes the same, and a later fp32
     plan rebuilds the same fp32 model. Inexact (fp32) weights keep fp32 masters."""
-    from specdecode.models.formats import FormatPlan, forced_plan
+    from specdecode.models.formats import BUCKETS, FormatPlan, forced_plan
 
-    int8 = FormatPlan(("int8",) * 7)
+    int8 = FormatPlan(("int8",) * len(BUCKETS))
     assert not int8.keeps_fp32_weights and forced_plan("fp32").keeps_fp32_weights
     ids, pos = _ids(10, seed=3), torch.arange(10)[None]
 
