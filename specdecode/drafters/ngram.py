@@ -143,14 +143,15 @@ class NgramTable:
 
     def draft(self, context: np.ndarray, k: int) -> np.ndarray:
         """Up to k tokens, each the table's next token after the context so far."""
-        ctx = list(context[-max(self.orders, default=1) :])
+        longest = max(self.orders, default=1)
+        ctx = list(context[-longest:])
         out: list[int] = []
         while len(out) < k:
             t = self.next_token(np.asarray(ctx, dtype=np.int64))
             if t is None:
                 break
             out.append(t)
-            ctx = ctx[1:] + [t]
+            ctx = (ctx + [t])[-longest:]  # a short context grows into the longer orders
         return np.asarray(out, dtype=np.int64)
 
     @property

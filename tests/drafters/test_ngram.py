@@ -75,6 +75,10 @@ def test_table_keeps_the_most_frequent_next_token_of_frequent_contexts():
     # (5, 6) splits 1:1, under min_share: a stop, even though the shorter (6,) prefers 1 (3 of 4)
     assert table.draft(np.array([5, 6]), 2).tolist() == []
     assert table.draft(np.array([3, 6]), 1).tolist() == [1]  # (3, 6) unseen: (6,) decides
+    # a short context grows into the longer orders: after (7,) -> 8 the walk reads (7, 8) -> 1,
+    # where (8,) alone splits between 1 and 2 and would stop
+    grows = NgramTable.build([[7, 8, 1]] * 3 + [[5, 8, 2]] * 3, orders=(2, 1), min_count=2, min_share=0.6)
+    assert grows.draft(np.array([7]), 2).tolist() == [8, 1]
     again = NgramTable.from_state(table.state())
     for n, (k, x) in table.tables.items():
         assert np.array_equal(again.tables[n][0], k) and np.array_equal(again.tables[n][1], x)
