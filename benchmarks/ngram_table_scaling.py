@@ -23,18 +23,8 @@ from bench_train import cpu_kind  # benchmarks/ is the script's directory
 from specdecode.drafters.ngram import NgramDrafter, NgramTable
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
-from specdecode.training.regen import read_regen
+from specdecode.training.ngram_table import table_answers
 from specdecode.training.trainer import evaluate
-
-
-def answers(data: Path, target) -> list[list[int]]:
-    """Each train answer with the 3 prompt tokens before it (as `train ngram-table` counts)."""
-    out = []
-    for rec in read_regen(data, "train", target.fingerprint):
-        mask = rec["loss_mask"]
-        if 1 in mask:
-            out.append(rec["input_ids"][max(0, mask.index(1) - 3) :])
-    return out
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path prefix of OUT.json / OUT.md / OUT.png")
     a = ap.parse_args()
     target = load_model(a.target)
-    seqs = answers(Path(a.data), target)
+    seqs = table_answers(Path(a.data), target)  # as `train ngram-table` counts them
     prompts = heldout_prompts(a.eval_data, target, a.prompts)
     rows = []
     for size in a.sizes.split(","):
