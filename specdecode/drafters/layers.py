@@ -12,15 +12,16 @@ Contract:
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
 - `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
   whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
-  tiles for a few rows) instead of a plain fp32 matmul; q/k/v and gate/up run as one product
-  each and RMSNorm as one fused kernel (`FusedRMSNorm`); parameters and state_dict keys stay.
+  tiles for a few rows) instead of a plain fp32 matmul; q/k/v (and k/v alone) and gate/up run
+  as one product each and RMSNorm as one fused kernel (`FusedRMSNorm`); parameters and state_dict keys stay.
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
 - `DraftVocab(d2t, vocab_size, V)`: sampling that stays in the draft vocabulary (Vd ids) until
   the verifier needs the full one: `probs(small_logits, params)` processes Vd logits (ids the
   tokenizer cannot emit masked), exactly the probabilities processing the full-vocabulary
-  logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `to_target(ids)`
+  logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `argmax` the id
+  that processing at temperature 0 keeps; `to_target(ids)`
   maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
 - `shifted_kl(draft, target, loss_mask, lengths, shift, head)`: the distillation loss every
   learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
@@ -142,11 +143,15 @@ class DraftAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps=eps)
         self.qk_norm = qk_norm
         self.fused_qkv: Product | None = None  # [M, in] -> [M, (H + 2Hk) D] (use_formats)
+        self.fused_kv: Product | None = None  # [M, in] -> [M, 2 Hk D] (use_formats)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, N, in_dim] -> k, v [B, N, Hk, D] (k normed when qk_norm, then RoPE)."""
         B, N, _ = x.shape
-        k, v = self.k_proj(x).view(B, N, self.Hk, self.D), self.v_proj(x).view(B, N, self.Hk, self.D)
+        if self.fused_kv is None:
+            k, v = self.k_proj(x).view(B, N, self.Hk, self.D), self.v_proj(x).view(B, N, self.Hk, self.D)
+        else:  # one product for both
+            k, v = self.fused_kv(x.reshape(B * N, -1)).view(B, N, 2 * self.Hk, self.D).split(self.Hk, dim=2)
         return self._rope_k(k, cos, sin), v
 
     def _rope_k(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,6 +244,7 @@ def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
             if isinstance(m, DraftAttention):
                 w = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
                 m.fused_qkv = formats.Linear(w, None, plan)
+                m.fused_kv = formats.Linear(w[m.H * m.D :], None, plan)
             elif isinstance(m, SwiGLU):
                 w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
                 m.fused_gate_up = formats.Linear(w, None, plan)
@@ -294,6 +300,10 @@ class DraftVocab:
 
     def probs(self, small_logits: torch.Tensor, params: list) -> torch.Tensor:  # [B, N, Vd] -> same
         return process_logits_batch(self._emittable(small_logits), params)
+
+    def argmax(self, small_logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [...] draft ids
+        """The greedy draft: the id that processing at temperature 0 puts all its mass on."""
+        return self._emittable(small_logits).argmax(dim=-1)
 
     def log_probs(self, small_logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> same, T = 1
         """Log-softmax over the draft ids the tokenizer can emit (for ranking tree candidates)."""

@@ -12,7 +12,7 @@ from specdecode.drafter import DraftRow
 from specdecode.drafters import build_drafter
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load_dflash
-from specdecode.drafters.dspark import load_dspark
+from specdecode.drafters.dspark import DSpark, load_dspark
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import FixedK
 from specdecode.training.calibrate import auroc, ece, ece_floor, fit_sts, labels, report, survival
@@ -107,6 +107,35 @@ def test_inference_cache_and_block_equal_the_training_packing(tiny, trained, reg
     packed = block_batch(net, ctx, tiny.model.embed, full[None], mask, torch.tensor([len(full)]), 4)
     first = net.cfg.first_draft_slot
     torch.testing.assert_close(got[first:], packed["states"][0, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_confidence_tables_give_the_confidence_head():
+    torch.manual_seed(0)
+    cfg = _tiny_net("dspark").cfg
+    cfg.markov_rank = 8
+    net = DSpark(cfg).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+    h, prev = torch.randn(6, 32), torch.tensor([0, 3, 49, 50, 7, 7])  # 50 = "outside the draft vocabulary"
+    w, row = net.confidence_tables()
+    torch.testing.assert_close(h @ w + row[prev], net.confidence_logit(h, prev), rtol=1e-5, atol=1e-5)
+
+
+def test_one_block_per_request_equals_the_training_layout():
+    """draft_states (inference: cache-layout keys, a per-request context mask) == block_states."""
+    net = _tiny_net()
+    T, lens = 9, torch.tensor([9, 5])
+    ctx = torch.randn(2, T, 32)
+    emb = torch.randn(2, 1, 4, 32)
+    pos = (lens[:, None] + torch.arange(4))[:, None]  # [2, 1, 4]
+    visible = torch.arange(T)[None] < lens[:, None]  # [2, T]
+    kv = net.context_kv(ctx, torch.arange(T)[None].expand(2, T))
+    want = net.block_states(emb, pos, kv, visible[:, None])[:, 0]
+    cache_kv = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv]  # [S, Hk, T, D]
+    torch.testing.assert_close(net.draft_states(emb[:, 0], pos[:, 0], cache_kv, visible), want)
+    one = net.draft_states(emb[:1, 0], pos[:1, 0], [(k[:1], v[:1]) for k, v in cache_kv], None)
+    torch.testing.assert_close(one, want[:1])  # no mask: every context row visible
 
 
 def test_wrong_checkpoint_kind_is_refused(tiny, trained):

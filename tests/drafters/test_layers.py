@@ -77,7 +77,7 @@ def test_use_formats_swaps_every_linear_and_keeps_the_parameters():
     x = torch.randn(2, 5, 16, generator=g)
     cos, sin = rope_table(torch.arange(5)[None].expand(2, 5), 4, 10000.0)
     want, keys = net(x), set(net.state_dict())
-    want_qkv, attn_keys = attn.qkv(x, cos, sin), set(attn.state_dict())
+    want_qkv, want_kv, attn_keys = attn.qkv(x, cos, sin), attn.kv(x, cos, sin), set(attn.state_dict())
     lone = nn.Linear(16, 3)
     want_lone = lone(x)
     plan = forced_plan("fp32")
@@ -86,11 +86,11 @@ def test_use_formats_swaps_every_linear_and_keeps_the_parameters():
     assert sum(isinstance(m, PlannedLinear) for m in net.modules()) == 4
     assert not any(type(m) in (nn.Linear, nn.RMSNorm) for m in [*net.modules(), *attn.modules()])
     assert set(net.state_dict()) == keys and set(attn.state_dict()) == attn_keys  # checkpoints as before
-    assert attn.fused_qkv is not None and net[0].fused_gate_up is not None
+    assert attn.fused_qkv is not None and attn.fused_kv is not None and net[0].fused_gate_up is not None
     assert torch.equal(lone(x), want_lone)  # fp32: the same product as nn.Linear, any leading shape
     # fused q/k/v and gate/up products, the one-pass norm and SiLU kernels: rounding only
     torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-4)
-    for got, ref in zip(attn.qkv(x, cos, sin), want_qkv, strict=True):
+    for got, ref in zip([*attn.qkv(x, cos, sin), *attn.kv(x, cos, sin)], [*want_qkv, *want_kv], strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

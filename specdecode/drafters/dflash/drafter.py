@@ -16,7 +16,8 @@ Contract:
   generator (exactly `num_draft[b]` uniforms per request) and q_k is returned for rejection
   sampling. DFlash slots are independent given the context, so every q_k is known at once.
   Processing and sampling run over the Vd draft ids (`DraftVocab`); q is scattered to the
-  target vocabulary once per round, for the verifier.
+  target vocabulary once per round, for the verifier. When every request is greedy, q_k is the
+  point mass at the argmax (what temperature 0 processing gives) without the processing.
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
@@ -103,23 +104,23 @@ class DFlashDrafter(Drafter):
     def _block_states(self, batch: list[DraftRow], idx: list[int]) -> torch.Tensor:
         """Final states [B', Bk, d] of one block per request in `idx`."""
         slots = [batch[b].slot for b in idx]
-        anchor_pos = torch.tensor([len(batch[b].token_ids) - 1 for b in idx])  # [B']
-        lens = torch.tensor([self.cache.lengths[s] for s in slots])
-        if not torch.equal(lens, anchor_pos):
-            raise RuntimeError(f"dflash context cache out of step: {lens.tolist()} != {anchor_pos.tolist()}")
-        T = int(lens.max())
-        sl = torch.tensor(slots, device=self.device)
-        ctx_kv = [
-            (self.cache.k[i][sl, :, :T].transpose(1, 2), self.cache.v[i][sl, :, :T].transpose(1, 2))
-            for i in range(self.net.cfg.num_layers)
-        ]  # [B', T, Hk, D] each
-        visible = (torch.arange(T)[None] < lens[:, None])[:, None].to(self.device)  # [B', 1, T]
+        anchor_pos = [len(batch[b].token_ids) - 1 for b in idx]  # B'
+        lens = [self.cache.lengths[s] for s in slots]
+        if lens != anchor_pos:
+            raise RuntimeError(f"dflash context cache out of step: {lens} != {anchor_pos}")
+        T, L = max(lens), self.net.cfg.num_layers
+        # One request reads views of the cache (no copies); several, one gather per layer.
+        sl = slice(slots[0], slots[0] + 1) if len(slots) == 1 else torch.tensor(slots, device=self.device)
+        ctx_kv = [(self.cache.k[i][sl, :, :T], self.cache.v[i][sl, :, :T]) for i in range(L)]
+        visible = None  # [B', T]: every request sees its own committed rows
+        if min(lens) < T:
+            visible = (torch.arange(T)[None] < torch.tensor(lens)[:, None]).to(self.device)
         anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
         emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
-        pos = anchor_pos[:, None, None] + torch.arange(self.net.cfg.block_size)  # [B', 1, Bk]
+        pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
         mask = self.net.mask_vector(lambda ids: self.target.embed(ids.to(self.target.info.device)))
-        block = self.net.block_input(emb, mask.to(self.device, self.dtype))  # [B', 1, Bk, d]
-        return self.net.block_states(block, pos.to(self.device), ctx_kv, visible)[:, 0]
+        block = self.net.block_input(emb, mask.to(self.device, self.dtype))[:, 0]  # [B', Bk, d]
+        return self.net.draft_states(block, pos.to(self.device), ctx_kv, visible)
 
     # ---- propose --------------------------------------------------------------------------
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -141,10 +142,14 @@ class DFlashDrafter(Drafter):
         K = max(num)
         params = [batch[b].params for b in idx]
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
-        q = self.vocab.probs(small, params)  # [B', K, Vd]
         u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
-        ids = self.vocab.to_target(sample(q, u.to(q.device))).cpu()  # [B', K]
-        return ids, q, num, {}
+        if all(p.temperature == 0.0 for p in params):  # point masses at the argmax
+            x = self.vocab.argmax(small)  # [B', K]
+            q = torch.zeros(small.shape, device=small.device).scatter_(-1, x[..., None], 1.0)
+        else:
+            q = self.vocab.probs(small, params)  # [B', K, Vd]
+            x = sample(q, u.to(q.device))
+        return self.vocab.to_target(x).cpu(), q, num, {}
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:

@@ -27,6 +27,9 @@ Contract:
 - `block_states(emb [S, A, B, d], positions [S, A, B], ctx_kv, ctx_visible [S, A, T])` -> final
   states `[S, A, B, d]` of A blocks per sequence; `ctx_visible` marks the context rows a block may
   read (strictly before its anchor, at training and at inference).
+- `draft_states(block [S, B, d], positions [S, B], ctx_kv, ctx_visible [S, T] | None)`: the same
+  computation for one block per request at inference, reading the keys/values in the cache's own
+  layout (`[S, Hk, T, D]` per layer, views, no copies) through one fused attention call per layer.
 Legend: S sequences (or requests), T context rows, A blocks per sequence, B slots per block,
 d width, H/Hk heads, D head dim, Vd draft vocabulary.
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.layers import (
@@ -148,6 +152,17 @@ class InjectLayer(nn.Module):
         h = h + self.attn.o_proj(o)
         return h + self.mlp(self.post_norm(h))
 
+    def forward_cached(self, h, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """One block per request (inference): h [S, B, d]; cos/sin [S, B, D]; ctx_k/v
+        [S, Hk, T, D] (the cache layout); mask [S, 1, 1, T + B] bool or None (all visible)."""
+        S, B, _ = h.shape
+        q, k, v = self.attn.qkv(self.input_norm(h), cos, sin)  # [S, B, H|Hk, D]
+        keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)  # [S, Hk, T + B, D]
+        values = torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        h = h + self.attn.o_proj(o.transpose(1, 2).reshape(S, B, -1))  # o [S, H, B, D]
+        return h + self.mlp(self.post_norm(h))
+
 
 class DFlash(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
@@ -188,6 +203,20 @@ class DFlash(nn.Module):
         h = emb
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             h = layer(h, cos, sin, k, v, ctx_visible)
+        return self.norm(h)
+
+    def draft_states(self, block, positions, ctx_kv, ctx_visible) -> torch.Tensor:
+        """block [S, B, d], positions [S, B], ctx_kv per layer (k, v) [S, Hk, T, D], ctx_visible
+        [S, T] bool or None (every row visible) -> final states [S, B, d]; equals `block_states`
+        with A = 1 (the block sees every visible context row and its whole self)."""
+        S, B, _ = block.shape
+        cos, sin = self._rope(positions)
+        mask = None
+        if ctx_visible is not None:  # [S, 1, 1, T + B]: context rows per request, then the block
+            mask = torch.cat([ctx_visible, ctx_visible.new_ones(S, B)], dim=1)[:, None, None]
+        h = block
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            h = layer.forward_cached(h, cos, sin, k, v, mask)
         return self.norm(h)
 
     def mask_vector(self, embed) -> torch.Tensor:

@@ -8,6 +8,10 @@ Contract:
   generator; q_k, the corrected distribution, is what rejection sampling uses. The pass runs
   over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
   target vocabulary once per round (DFlashDrafter.propose).
+- Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
+  slots' state parts, one table entry per slot for the previous token's part). When every
+  request is greedy, x_k is the argmax of the corrected logits and q_k its point mass (what
+  processing at temperature 0 and inverse-CDF sampling give), without the per-slot processing.
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
   scheduler (`provides_confidences`).
 - Per-request truncation: with `confidence_threshold`, a request stops drafting at the first k
@@ -48,12 +52,16 @@ class DSparkDrafter(DFlashDrafter):
             raise SpecDecodeError(f"threshold_on must be one of {THRESHOLD_ON}, got {threshold_on!r}")
         self.threshold, self.threshold_on = confidence_threshold, threshold_on
         self.t2d = t2d_table(net.d2t, self.vocab_rows).to(self.device)  # [V]
+        self.conf_w, self.conf_row = (t.to(self.device) for t in net.confidence_tables())  # [d], [Vd + 1]
 
     def _draft(self, batch, idx, states, num):
         net, K, n = self.net, max(num), len(idx)
         num = list(num)
         params = [batch[b].params for b in idx]
+        greedy = all(p.temperature == 0.0 for p in params)
         U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
+        z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
+        temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
         prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
         # Drafts and confidences stay on the device; the host reads them once at the end (and
         # per slot only when a threshold has to be checked).
@@ -62,8 +70,7 @@ class DSparkDrafter(DFlashDrafter):
         conf = torch.zeros(n, K, device=self.device)
         survival = torch.ones(n, device=self.device)
         for j in range(K):
-            z = net.confidence_logit(states[:, j], prev).float()
-            c = torch.sigmoid(z / net.sts_temperature[j].float() + net.sts_bias[j].float())
+            c = torch.sigmoid((z_state[:, j] + self.conf_row[prev]) / temp[j] + bias[j])  # [B']
             conf[:, j] = c
             survival = survival * c
             if self.threshold is not None:
@@ -73,8 +80,14 @@ class DSparkDrafter(DFlashDrafter):
                         num[i] = j  # stop before sampling x_j: decided from x_{<j} only
             if all(j >= k for k in num):
                 break
-            q[:, j] = self.vocab.probs(net.markov_logits(U[:, j], prev)[:, None], params)[:, 0]
-            x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(q.device))  # [B'] draft ids
+            logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
+            u = self._uniforms(batch, idx, num, j).to(q.device)  # drawn at every temperature
+            if greedy:  # the point mass at the argmax: what temperature 0 processing gives
+                x = self.vocab.argmax(logits)
+                q[:, j].scatter_(1, x[:, None], 1.0)
+            else:
+                q[:, j] = self.vocab.probs(logits[:, None], params)[:, 0]
+                x = sample(q[:, j], u)  # [B'] draft ids
             ids[:, j] = x
             prev = x  # a draft id is its own row of W1 (only the anchor may be "other")
         K = max(max(num), 0)

@@ -12,6 +12,9 @@ Contract:
   that draft k is accepted given every earlier draft was; known before x_k is sampled.
   `sts_temperature` [block_size] is a buffer (ones until `specdecode calibrate` fits it); with
   `calibrate --bias` a per-position `sts_bias` is added to the scaled logit (zeros otherwise).
+- `confidence_tables()` -> (w [d], row [Vd + 1]) fp32 with confidence_logit(h, prev) =
+  h @ w + row[prev]: the head split into its state part (one product for every slot of a block)
+  and a table over the previous token (inference reads one entry per slot).
 Legend: as in dflash/model.py; r Markov rank.
 """
 
@@ -40,3 +43,10 @@ class DSpark(DFlash):
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.conf(torch.cat([h, self.W1(prev).to(h.dtype)], dim=-1))[..., 0]
+
+    @torch.no_grad()
+    def confidence_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.hidden_size
+        w = self.conf.weight.float()[0]  # [d + r]
+        row = self.W1.weight.float() @ w[d:] + self.conf.bias.float()  # [Vd + 1]
+        return w[:d], row

@@ -13,7 +13,8 @@ Contract:
   (`DraftVocab`); q is scattered to the full vocabulary once, for rejection sampling. Each
   later draft is one batched forward of one row per request that attends to the committed
   rows and the request's earlier draft rows (written past the committed length, never
-  committed).
+  committed). When every request is greedy, q is the argmax's point mass (what temperature 0
+  processing gives) without the processing.
 - Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
@@ -93,7 +95,8 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def _run(self, slots, tok, hidden, rows, positions, visible):
         """One layer pass. tok [B, N] ids, hidden [B, N, d], rows [B, N] cache rows written,
-        positions [B, N], visible [B, N, span] bool -> output states [B, N, d]."""
+        positions [B, N], visible [B, N, span] bool, or None when every query of one request
+        sees rows 0..span-1 (span = its last written row + 1) -> output states [B, N, d]."""
         c = self.net.cfg
         emb = self.target.embed(tok.to(self.target.info.device)).to(self.device, self.dtype)
         cos, sin = rope_table(positions.to(self.device), c.head_dim, c.rope_theta)
@@ -103,6 +106,11 @@ class EagleDrafter(Drafter):
         vc = self.cache.v[0].transpose(1, 2)
         kc[sl, rows.to(self.device)] = k
         vc[sl, rows.to(self.device)] = v
+        if visible is None:  # one request: its first `span` rows, views in SDPA's layout
+            s, span = slots[0], int(rows.max()) + 1
+            keys, values = self.cache.k[0][s : s + 1, :, :span], self.cache.v[0][s : s + 1, :, :span]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, enable_gqa=True)
+            return self.net.layer_out(hidden, o.transpose(1, 2).flatten(2))  # o [1, H, N, D]
         span = visible.shape[-1]
         keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
         return self.net.layer_out(hidden, attend(q, keys, values, visible.to(self.device)))
@@ -153,28 +161,39 @@ class EagleDrafter(Drafter):
         max_k = max(num_draft[b] for b in idx)
         slots = [batch[b].slot for b in idx]
         params = [batch[b].params for b in idx]
+        greedy = all(p.temperature == 0.0 for p in params)
         base = torch.tensor([self.cache.lengths[s] for s in slots])  # [B']
-        draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
-        draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
         state = torch.stack([self._last[s] for s in slots])  # [B', d]
-        sel = torch.tensor(idx)
+        xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
         for j in range(max_k):
-            q = self.vocab.probs(self.net.logits(state)[:, None], params)[:, 0]  # [B', Vd]
+            small = self.net.logits(state)  # [B', Vd]
             u = torch.stack(
                 [
                     torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
                     for b in idx
                 ]
             )  # exactly num_draft[b] uniforms per request
-            xd = sample(q, u.to(q.device))  # [B'] draft ids
+            if greedy:  # the point mass at the argmax: what temperature 0 processing gives
+                xd = self.vocab.argmax(small)
+                q = torch.zeros(small.shape, device=small.device).scatter_(1, xd[:, None], 1.0)
+            else:
+                q = self.vocab.probs(small[:, None], params)[:, 0]  # [B', Vd]
+                xd = sample(q, u.to(q.device))  # [B'] draft ids
             x = self.vocab.to_target(xd)  # [B'] target ids
-            draft_ids[sel, j] = x.cpu()
-            draft_probs[sel, j] = self.vocab.to_full(q).cpu()  # the verifier's vocabulary
+            xs.append(x)
+            qs.append(q)
             if j + 1 < max_k:  # feed draft j at row base + j (uncommitted), position base + j + 1
                 rows = (base + j)[:, None]  # [B', 1]
-                col = torch.arange(int(base.max()) + j + 1)
-                visible = col[None, None] <= rows[:, :, None]  # committed rows + earlier drafts
+                visible = None  # one request sees all its rows up to this one
+                if len(idx) > 1:
+                    col = torch.arange(int(base.max()) + j + 1)
+                    visible = col[None, None] <= rows[:, :, None]  # committed rows + earlier drafts
                 state = self._run(slots, x[:, None].cpu(), state[:, None], rows, rows + 1, visible)[:, 0]
+        sel = torch.tensor(idx)
+        draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
+        draft_ids[sel] = torch.stack(xs, 1).cpu()
+        draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
+        draft_probs[sel] = self.vocab.to_full(torch.stack(qs, 1)).cpu()  # the verifier's vocabulary
         num = torch.tensor([max(k, 0) if b in idx else 0 for b, k in enumerate(num_draft)])
         return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
 
