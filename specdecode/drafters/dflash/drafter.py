@@ -16,8 +16,9 @@ Contract:
   generator (exactly `num_draft[b]` uniforms per request) and q_k is returned for rejection
   sampling. DFlash slots are independent given the context, so every q_k is known at once.
   Processing and sampling run over the Vd draft ids (`DraftVocab`); q is scattered to the
-  target vocabulary once per round, for the verifier. When every request is greedy, q_k is the
-  point mass at the argmax (what temperature 0 processing gives) without the processing.
+  target vocabulary once per round, for the verifier. When every request of the batch is greedy,
+  draft k is the argmax and the proposal carries point masses (`draft_probs` None: what
+  temperature 0 processing gives, and what greedy verification reads) without the processing.
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
@@ -137,15 +138,15 @@ class DFlashDrafter(Drafter):
         )
 
     def _draft(self, batch, idx, states, num):
-        """states [B', Bk, d] -> draft ids [B', K], q [B', K, Vd] (draft vocabulary), extras."""
+        """states [B', Bk, d] -> draft ids [B', K], q [B', K, Vd] (draft vocabulary; None when
+        every request of the batch is greedy: the drafts are point masses), extras."""
         first = self.net.cfg.first_draft_slot
         K = max(num)
         params = [batch[b].params for b in idx]
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
         u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
-        if all(p.temperature == 0.0 for p in params):  # point masses at the argmax
-            x = self.vocab.argmax(small)  # [B', K]
-            q = torch.zeros(small.shape, device=small.device).scatter_(-1, x[..., None], 1.0)
+        if all(row.params.greedy for row in batch):  # point masses at the argmax (q None)
+            x, q = self.vocab.argmax(small), None  # [B', K]
         else:
             q = self.vocab.probs(small, params)  # [B', K, Vd]
             x = sample(q, u.to(q.device))
@@ -166,8 +167,10 @@ class DFlashDrafter(Drafter):
         sel = torch.tensor(idx)
         draft_ids = torch.zeros(len(batch), K, dtype=torch.long)
         draft_ids[sel] = ids
-        draft_probs = torch.zeros(len(batch), K, self.vocab_rows)
-        draft_probs[sel] = self.vocab.to_full(q.float()).cpu()  # the verifier's vocabulary
+        draft_probs = None  # greedy rounds: point masses
+        if q is not None:
+            draft_probs = torch.zeros(len(batch), K, self.vocab_rows)
+            draft_probs[sel] = self.vocab.to_full(q.float()).cpu()  # the verifier's vocabulary
         n = torch.zeros(len(batch), dtype=torch.long)
         n[sel] = torch.tensor(num)
         for key, val in extras.items():  # per-request extras ([B', K]) -> [B, K]

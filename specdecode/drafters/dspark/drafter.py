@@ -9,9 +9,10 @@ Contract:
   over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
   target vocabulary once per round (DFlashDrafter.propose).
 - Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
-  slots' state parts, one table entry per slot for the previous token's part). When every
-  request is greedy, x_k is the argmax of the corrected logits and q_k its point mass (what
-  processing at temperature 0 and inverse-CDF sampling give), without the per-slot processing.
+  slots' state parts, one table entry per slot for the previous token's part), per slot only
+  when a threshold needs it, else for all slots after the pass. When every request of the batch
+  is greedy, x_k is the argmax of the corrected logits and the proposal carries point masses
+  (what processing at temperature 0 gives), without the per-slot processing.
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
   scheduler (`provides_confidences`).
 - Per-request truncation: with `confidence_threshold`, a request stops drafting at the first k
@@ -58,7 +59,7 @@ class DSparkDrafter(DFlashDrafter):
         net, K, n = self.net, max(num), len(idx)
         num = list(num)
         params = [batch[b].params for b in idx]
-        greedy = all(p.temperature == 0.0 for p in params)
+        greedy = all(row.params.greedy for row in batch)  # point masses: q stays None
         U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
         z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
@@ -66,14 +67,14 @@ class DSparkDrafter(DFlashDrafter):
         # Drafts and confidences stay on the device; the host reads them once at the end (and
         # per slot only when a threshold has to be checked).
         ids = torch.zeros(n, K, dtype=torch.long, device=self.device)  # draft ids
-        q = torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
-        conf = torch.zeros(n, K, device=self.device)
+        q = None if greedy else torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
+        prevs = torch.zeros(n, K, dtype=torch.long, device=self.device)  # x_{k-1} per slot
         survival = torch.ones(n, device=self.device)
         for j in range(K):
-            c = torch.sigmoid((z_state[:, j] + self.conf_row[prev]) / temp[j] + bias[j])  # [B']
-            conf[:, j] = c
-            survival = survival * c
-            if self.threshold is not None:
+            prevs[:, j] = prev
+            if self.threshold is not None:  # confidences now; without a threshold, after the loop
+                c = torch.sigmoid((z_state[:, j] + self.conf_row[prev]) / temp[j] + bias[j])  # [B']
+                survival = survival * c
                 score = (survival if self.threshold_on == "survival" else c).tolist()
                 for i in range(n):
                     if j < num[i] and score[i] < self.threshold:
@@ -81,14 +82,16 @@ class DSparkDrafter(DFlashDrafter):
             if all(j >= k for k in num):
                 break
             logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
-            u = self._uniforms(batch, idx, num, j).to(q.device)  # drawn at every temperature
+            u = self._uniforms(batch, idx, num, j).to(self.device)  # drawn at every temperature
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 x = self.vocab.argmax(logits)
-                q[:, j].scatter_(1, x[:, None], 1.0)
             else:
                 q[:, j] = self.vocab.probs(logits[:, None], params)[:, 0]
                 x = sample(q[:, j], u)  # [B'] draft ids
             ids[:, j] = x
             prev = x  # a draft id is its own row of W1 (only the anchor may be "other")
+        slots = z_state.shape[1]
+        conf = torch.sigmoid((z_state + self.conf_row[prevs]) / temp[:slots] + bias[:slots])  # [B', K]
         K = max(max(num), 0)
-        return self.vocab.to_target(ids[:, :K]).cpu(), q[:, :K], num, {"confidences": conf[:, :K].cpu()}
+        q = None if q is None else q[:, :K]
+        return self.vocab.to_target(ids[:, :K]).cpu(), q, num, {"confidences": conf[:, :K].cpu()}

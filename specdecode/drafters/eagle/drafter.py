@@ -13,8 +13,9 @@ Contract:
   (`DraftVocab`); q is scattered to the full vocabulary once, for rejection sampling. Each
   later draft is one batched forward of one row per request that attends to the committed
   rows and the request's earlier draft rows (written past the committed length, never
-  committed). When every request is greedy, q is the argmax's point mass (what temperature 0
-  processing gives) without the processing.
+  committed). When every request of the batch is greedy, each draft is the argmax and the
+  proposal carries point masses (`draft_probs` None: what temperature 0 processing gives, and
+  all greedy verification reads) without the processing.
 - Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
@@ -161,7 +162,7 @@ class EagleDrafter(Drafter):
         max_k = max(num_draft[b] for b in idx)
         slots = [batch[b].slot for b in idx]
         params = [batch[b].params for b in idx]
-        greedy = all(p.temperature == 0.0 for p in params)
+        greedy = all(row.params.greedy for row in batch)  # point masses, no q
         base = torch.tensor([self.cache.lengths[s] for s in slots])  # [B']
         state = torch.stack([self._last[s] for s in slots])  # [B', d]
         xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
@@ -175,13 +176,12 @@ class EagleDrafter(Drafter):
             )  # exactly num_draft[b] uniforms per request
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 xd = self.vocab.argmax(small)
-                q = torch.zeros(small.shape, device=small.device).scatter_(1, xd[:, None], 1.0)
             else:
                 q = self.vocab.probs(small[:, None], params)[:, 0]  # [B', Vd]
                 xd = sample(q, u.to(q.device))  # [B'] draft ids
+                qs.append(q)
             x = self.vocab.to_target(xd)  # [B'] target ids
             xs.append(x)
-            qs.append(q)
             if j + 1 < max_k:  # feed draft j at row base + j (uncommitted), position base + j + 1
                 rows = (base + j)[:, None]  # [B', 1]
                 visible = None  # one request sees all its rows up to this one
@@ -192,8 +192,10 @@ class EagleDrafter(Drafter):
         sel = torch.tensor(idx)
         draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
         draft_ids[sel] = torch.stack(xs, 1).cpu()
-        draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
-        draft_probs[sel] = self.vocab.to_full(torch.stack(qs, 1)).cpu()  # the verifier's vocabulary
+        draft_probs = None  # greedy rounds: point masses
+        if qs:
+            draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
+            draft_probs[sel] = self.vocab.to_full(torch.stack(qs, 1)).cpu()  # the verifier's vocabulary
         num = torch.tensor([max(k, 0) if b in idx else 0 for b, k in enumerate(num_draft)])
         return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
 
