@@ -222,18 +222,19 @@ class EagleDrafter(Drafter):
         rows_of: dict[int, int] = {}  # node -> draft cache row
         out_of: dict[int, torch.Tensor] = {}  # node -> its output state [d]
 
-        def expand(parent: int, state: torch.Tensor) -> list[int]:
-            logp = self.vocab.log_probs(self.net.logits(state[None]))[0]  # [Vd]
-            top = logp.topk(spec.topk)
-            ids = self.vocab.to_target(top.indices)
-            for s, t in zip(top.values.tolist(), ids.tolist(), strict=True):
-                toks.append(t)
-                pars.append(parent)
-                scores.append((scores[parent] if parent >= 0 else 0.0) + s)
-                depths.append(depths[parent] + 1 if parent >= 0 else 1)
-            return list(range(len(toks) - spec.topk, len(toks)))
+        def expand(parents: list[int], states: torch.Tensor) -> list[int]:
+            """The `topk` children of each parent (states [F, d], one head product) -> new nodes."""
+            top = self.vocab.log_probs(self.net.logits(states)).topk(spec.topk, dim=-1)  # [F, topk]
+            ids = self.vocab.to_target(top.indices).tolist()
+            for parent, vals, tids in zip(parents, top.values.tolist(), ids, strict=True):
+                for s, t in zip(vals, tids, strict=True):
+                    toks.append(t)
+                    pars.append(parent)
+                    scores.append((scores[parent] if parent >= 0 else 0.0) + s)
+                    depths.append(depths[parent] + 1 if parent >= 0 else 1)
+            return list(range(len(toks) - spec.topk * len(parents), len(toks)))
 
-        frontier = expand(-1, self._last[slot])
+        frontier = expand([-1], self._last[slot][None])
         next_row = base
         for _ in range(spec.depth - 1):
             # 1. Run the best `topk` frontier nodes through the layer (one forward).
@@ -243,11 +244,14 @@ class EagleDrafter(Drafter):
                 next_row += 1
             visible = torch.zeros(1, len(frontier), next_row, dtype=torch.bool)  # [1, F, span]
             visible[0, :, :base] = True
+            queries, cols = [], []  # a node sees its own row and its ancestors' rows
             for qi, i in enumerate(frontier):
                 a = i
-                while a >= 0:  # a node sees its own row and its ancestors' rows
-                    visible[0, qi, rows_of[a]] = True
+                while a >= 0:
+                    queries.append(qi)
+                    cols.append(rows_of[a])
                     a = pars[a]
+            visible[0, queries, cols] = True
             states = torch.stack([self._last[slot] if pars[i] < 0 else out_of[pars[i]] for i in frontier])
             out = self._run(
                 [slot],
@@ -257,12 +261,10 @@ class EagleDrafter(Drafter):
                 torch.tensor([[base + depths[i] for i in frontier]]),
                 visible,
             )[0]  # [F, d]
-            # 2. Expand: topk children of each, scored by cumulative log-probability.
-            new = []
+            # 2. Expand: topk children of each (one head product), scored by cumulative log-probability.
             for qi, i in enumerate(frontier):
                 out_of[i] = out[qi]
-                new += expand(i, out[qi])
-            frontier = new
+            frontier = expand(frontier, out)
         # 3. Rerank all nodes and keep the best `budget`; ancestors score at least as high as
         #    their descendants, so the kept set is a tree. Order parents before children.
         best = sorted(range(len(toks)), key=lambda i: (-scores[i], depths[i]))[:budget]
