@@ -20,8 +20,9 @@ samples the final token. `step_uniforms` lays a step's uniforms out from each re
 random streams.
 
 The loop's entry point is `verify_step(proposal, logits, params, streams, positions, ...)`: it
-owns the uniforms, the greedy path (`verify_greedy`), chains and batched trees
-(`verify_tree_batch`, rows of different shapes), and returns one `Verdict` per request
+owns the uniforms, the greedy paths (`verify_greedy`, `verify_tree_greedy`: no uniforms, no
+one-hot distributions), chains and batched trees (`verify_tree_batch`, rows of different
+shapes), and returns one `Verdict` per request
 (emitted ids, kept verify-block rows, drafts verified, depth).
 
 Acceptance is tested as `u * q(x) < p(x)`, i.e. u < min(1, p(x) / q(x)) without a division.
@@ -411,6 +412,32 @@ def verify_greedy(
     return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
 
 
+def verify_tree_greedy(
+    parents: torch.Tensor,  # [B, N] long, -1 = root (a row's shape)
+    tree_ids: torch.Tensor,  # [B, N] long: node tokens; -1 = node absent in this row
+    target_logits: torch.Tensor,  # [B, N+1, V] the target's logits at the block rows (row 0 = root)
+) -> list[tuple[list[int], list[int], int]]:
+    """T = 0: the exact limit of `verify_tree_batch` without one-hot distributions. From the
+    root, move to the first child (index order) whose token is the target's argmax at the
+    current node, while there is one; then emit the argmax there. Per row: (emitted ids, kept
+    block rows, depth of the row's deepest node)."""
+    target_ids = target_logits.argmax(dim=-1).tolist()  # [B, N+1]
+    out = []
+    for par, ids, want in zip(parents.tolist(), tree_ids.tolist(), target_ids, strict=True):
+        depth = [0] * (len(ids) + 1)
+        cur, kept, emitted = 0, [0], []
+        for i, (pa, x) in enumerate(zip(par, ids, strict=True)):
+            if x < 0:
+                continue
+            depth[i + 1] = depth[pa + 1] + 1
+            if pa + 1 == cur and x == want[cur]:
+                emitted.append(x)
+                kept.append(i + 1)
+                cur = i + 1
+        out.append((emitted + [want[cur]], kept, max(depth)))
+    return out
+
+
 def verify_step(
     proposal: Proposal,
     logits: torch.Tensor,  # [B, K+1, V'] the target's logits at the verify block (V' >= vocab_size)
@@ -426,9 +453,14 @@ def verify_step(
     num_draft = proposal.num_draft.cpu()  # [B]
     nd = num_draft.tolist()
     k = proposal.max_k
-    if proposal.parents is None and all(p.greedy for p in params):
-        v = verify_greedy(proposal.draft_ids, logits[..., :vocab_size], num_draft)
-        return _chain_verdicts(v, nd)
+    if all(p.greedy for p in params):
+        if proposal.parents is None:
+            v = verify_greedy(proposal.draft_ids, logits[..., :vocab_size], num_draft)
+            return _chain_verdicts(v, nd)
+        tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
+        parents = proposal.parents.cpu().expand(len(nd), -1)  # [B, N] (a shared shape broadcasts)
+        rows = verify_tree_greedy(parents, tree_ids, logits[..., :vocab_size])
+        return [Verdict(e, kept, nd[b], depth) for b, (e, kept, depth) in enumerate(rows)]
     target_probs = process_logits_batch(logits, list(params), vocab_size)  # [B, K+1, V]
     dev = target_probs.device
     q = None if proposal.draft_probs is None else proposal.draft_probs.to(dev)  # [B, K, V]

@@ -25,6 +25,7 @@ from specdecode.verify import (
     verify_step,
     verify_tree,
     verify_tree_batch,
+    verify_tree_greedy,
 )
 
 # p at block rows 0..2 and q at rows 0..1 for the hand-computed chain cases (V = 3).
@@ -479,6 +480,33 @@ def test_tree_batch_of_different_shapes_equals_each_tree_alone(iid):
         depth = 0 if n == 0 else int(tree_depths(parents[b, :n]).max())
         assert int(batch.depth[b]) == depth
     assert deepest >= 2  # the test exercised multi-node accepted paths
+
+
+@pytest.mark.parametrize("iid", [True, False])
+def test_greedy_trees_skip_the_distributions_and_verify_the_same(iid):
+    """verify_tree_greedy == verify_tree_batch on one-hot p (what T = 0 processing gives), rows
+    of different shapes, duplicate siblings included; the head's rows past the vocabulary lose."""
+    g = torch.Generator().manual_seed(8)
+    B, N, V = 40, 8, 5  # a small V makes duplicate siblings and argmax hits common
+    sizes = [int(torch.randint(0, N + 1, (1,), generator=g)) for _ in range(B)]
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    for b, n in enumerate(sizes):
+        parents[b, :n] = torch.tensor(_random_tree(g, n), dtype=torch.long)
+    logits = torch.randn(B, N + 1, V + 2, generator=g)
+    logits[..., V:] = 50.0  # rows the tokenizer cannot emit
+    p = process_logits(logits, SamplingParams(temperature=0.0), V)  # one-hot [B, N + 1, V + 2]
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    tokens[::2] = logits[..., :V].argmax(-1)[torch.arange(0, B, 2)[:, None], parents[::2] + 1]
+    tokens[torch.arange(N)[None] >= torch.tensor(sizes)[:, None]] = -1
+    q = _random_probs(g, (B, N), V + 2, top_k=4)
+    want = verify_tree_batch(parents, tokens, q if iid else None, p, torch.rand(B, N + 1, generator=g), iid)
+    got = verify_tree_greedy(parents, tokens, logits[..., :V])
+    for b, (emitted, kept, depth) in enumerate(got):
+        a = int(want.num_accepted[b])
+        assert emitted == want.emitted_ids[b, : a + 1].tolist()
+        assert kept == want.kept_rows[b, : a + 1].tolist()
+        assert depth == int(want.depth[b])
+    assert max(len(k) for _, k, _ in got) >= 3  # multi-node accepted paths were exercised
 
 
 class _Stream:
