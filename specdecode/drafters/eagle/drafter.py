@@ -107,11 +107,14 @@ class EagleDrafter(Drafter):
         vc = self.cache.v[0].transpose(1, 2)
         kc[sl, rows.to(self.device)] = k
         vc[sl, rows.to(self.device)] = v
-        if visible is None:  # one request: its first `span` rows, views in SDPA's layout
-            s, span = slots[0], int(rows.max()) + 1
+        if len(slots) == 1:  # one request: views of its rows in SDPA's layout, no gather
+            s = slots[0]
+            span = int(rows.max()) + 1 if visible is None else visible.shape[-1]
             keys, values = self.cache.k[0][s : s + 1, :, :span], self.cache.v[0][s : s + 1, :, :span]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, enable_gqa=True)
-            return self.net.layer_out(hidden, o.transpose(1, 2).flatten(2))  # o [1, H, N, D]
+            mask = None if visible is None else visible.to(self.device)[:, None]  # [1, 1, N, span]
+            qh = q.transpose(1, 2)  # [1, H, N, D]
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+            return self.net.layer_out(hidden, o.transpose(1, 2).flatten(2))
         span = visible.shape[-1]
         keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
         return self.net.layer_out(hidden, attend(q, keys, values, visible.to(self.device)))
