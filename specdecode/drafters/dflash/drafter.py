@@ -18,7 +18,8 @@ Contract:
   Processing and sampling run over the Vd draft ids (`DraftVocab`); q is scattered to the
   target vocabulary once per round, for the verifier. When every request of the batch is greedy,
   draft k is the argmax and the proposal carries point masses (`draft_probs` None: what
-  temperature 0 processing gives, and what greedy verification reads) without the processing.
+  temperature 0 processing gives, and what greedy verification reads) without the processing
+  and without uniforms (a greedy request's generator decides nothing).
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
@@ -144,10 +145,10 @@ class DFlashDrafter(Drafter):
         K = max(num)
         params = [batch[b].params for b in idx]
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
-        u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
         if all(row.params.greedy for row in batch):  # point masses at the argmax (q None)
-            x, q = self.vocab.argmax(small), None  # [B', K]
+            x, q = self.vocab.argmax(small), None  # [B', K]; no uniforms: nothing samples
         else:
+            u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
             q = self.vocab.probs(small, params)  # [B', K, Vd]
             x = sample(q, u.to(q.device))
         return self.vocab.to_target(x).cpu(), q, num, {}

@@ -82,12 +82,11 @@ class DSparkDrafter(DFlashDrafter):
             if all(j >= k for k in num):
                 break
             logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
-            u = self._uniforms(batch, idx, num, j).to(self.device)  # drawn at every temperature
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 x = self.vocab.argmax(logits)
             else:
                 q[:, j] = self.vocab.probs(logits[:, None], params)[:, 0]
-                x = sample(q[:, j], u)  # [B'] draft ids
+                x = sample(q[:, j], self._uniforms(batch, idx, num, j).to(self.device))  # [B'] draft ids
             ids[:, j] = x
             prev = x  # a draft id is its own row of W1 (only the anchor may be "other")
         slots = z_state.shape[1]

@@ -171,15 +171,15 @@ class EagleDrafter(Drafter):
         xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
         for j in range(max_k):
             small = self.net.logits(state)  # [B', Vd]
-            u = torch.stack(
-                [
-                    torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
-                    for b in idx
-                ]
-            )  # exactly num_draft[b] uniforms per request
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 xd = self.vocab.argmax(small)
             else:
+                u = torch.stack(
+                    [
+                        torch.rand((), generator=batch[b].generator) if j < num_draft[b] else torch.zeros(())
+                        for b in idx
+                    ]
+                )  # exactly num_draft[b] uniforms per request
                 q = self.vocab.probs(small[:, None], params)[:, 0]  # [B', Vd]
                 xd = sample(q, u.to(q.device))  # [B'] draft ids
                 qs.append(q)
