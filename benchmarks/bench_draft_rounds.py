@@ -1,0 +1,127 @@
+"""What a drafting round costs at fixed K, in target decode steps: the runtime issue's bounds
+(a DFlash/DSpark round <= 0.2 step; EAGLE-3 and MTP <= 0.08 step per draft token; Medusa <= 0.03).
+
+One process: the target with `ar` and every method at fixed K (greedy, chat template) decode the
+same prompts, interleaved per prompt (ar, then each method), for `--repeats` passes. A round's
+cost is the time inside `Drafter.propose` (catch-up on committed context included) per round;
+the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before.
+The report gives medians over prompts and passes, and the paired ratio round / step. Usage:
+
+    python benchmarks/bench_draft_rounds.py --methods eagle:4,eagle-tree:16,dspark:7,dflash:6 \
+        [--drafter eagle=DIR ...] --out benchmarks/results/draft-rounds-<name>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode import load
+from specdecode.bench.hardware import machine_info
+
+PROMPTS = [
+    "Explain what a hash table is in three sentences.",
+    "Give me three tips for writing a clear email to a colleague.",
+    "Write a Python function that checks whether a number is prime.",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number",
+]
+BOUNDS = {"dflash": ("round", 0.2), "dspark": ("round", 0.2), "eagle": ("token", 0.08),
+          "eagle-tree": ("token", 0.08), "mtp": ("token", 0.08), "medusa": ("token", 0.03)}  # fmt: skip
+
+
+def timed_propose(drafter) -> dict:
+    """Wrap `drafter.propose` to add up its seconds and calls."""
+    acc = {"s": 0.0, "n": 0}
+    inner = drafter.propose
+
+    def propose(*a, **kw):
+        t0 = time.perf_counter()
+        out = inner(*a, **kw)
+        acc["s"] += time.perf_counter() - t0
+        acc["n"] += 1
+        return out
+
+    drafter.propose = propose
+    return acc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--methods", required=True, help="METHOD:K,... e.g. eagle:4,dspark:7")
+    ap.add_argument("--drafter", action="append", default=[], help="METHOD=DIR (default: the shipped one)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    drafters = dict(s.split("=", 1) for s in a.drafter)
+    specs = [(m, int(k)) for m, k in (s.split(":") for s in a.methods.split(","))]
+    ar = load(a.target, method="ar")
+    sds = {
+        m: load(ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k)
+        for m, k in specs
+    }
+    accs = {m: timed_propose(sd.drafter) for m, sd in sds.items()}
+    for sd in (ar, *sds.values()):
+        sd.generate(PROMPTS[0], max_new_tokens=8, chat=True)  # warm-up
+    rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau)
+    for _ in range(a.repeats):
+        for p in PROMPTS:
+            r = ar.generate(p, max_new_tokens=a.tokens, chat=True)
+            step = r.decode_time_s / max(r.num_new_tokens, 1)
+            for m, sd in sds.items():
+                acc = accs[m]
+                acc["s"], acc["n"] = 0.0, 0
+                res = sd.generate(p, max_new_tokens=a.tokens, chat=True)
+                rows[m].append((acc["s"] / max(acc["n"], 1), step, res.tau))
+    info = machine_info()
+    machine = f"{info.get('cpu', '?')} (native bf16 GEMM: {info.get('bf16_gemm', '?')})"
+    report = {"machine": info, "target": a.target, "tokens": a.tokens, "repeats": a.repeats, "methods": {}}
+    lines = [
+        f"# Drafting round cost at fixed K ({a.target})",
+        "",
+        f"Machine: {machine}, {torch.get_num_threads()} threads; torch {torch.__version__}. "
+        f"{len(PROMPTS)} prompts (chat template, greedy), {a.tokens} new tokens, {a.repeats} passes; "
+        "medians over prompts and passes. Step: `ar` decode time per token on the same prompt just "
+        "before (prefill excluded).",
+        "",
+        "| method | K | round ms | ar step ms | round / step | per draft token / step | bound | tau |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m, k in specs:
+        rs = rows[m]
+        ratio = statistics.median(r / s for r, s, _ in rs)  # paired per prompt
+        per_token = ratio / k
+        kind, bound = BOUNDS.get(m, ("round", float("nan")))
+        shown = f"{bound} a {kind}" if bound == bound else ""
+        rec = {
+            "k": k,
+            "round_ms": statistics.median(r for r, _, _ in rs) * 1e3,
+            "step_ms": statistics.median(s for _, s, _ in rs) * 1e3,
+            "round_per_step": ratio,
+            "per_token_per_step": per_token,
+            "tau": statistics.median(t for _, _, t in rs),
+        }
+        report["methods"][m] = rec
+        lines.append(
+            f"| {m} | {k} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} | {per_token:.3f} "
+            f"| {shown} | {rec['tau']:.2f} |"
+        )
+    lines += ["", "Command: `python benchmarks/bench_draft_rounds.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("drafter", "out")
+    ) + "`" + (" with drafters " + ", ".join(a.drafter) if a.drafter else "") + "."]  # fmt: skip
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
