@@ -3,7 +3,8 @@
 
 One process: the target with `ar` and every method at fixed K (greedy, chat template) decode the
 same prompts, interleaved per prompt (ar, then each method), for `--repeats` passes. A round's
-cost is the time inside `Drafter.propose` (catch-up on committed context included) per round;
+cost is the decoder's drafting time (`draft_time`: catch-up on committed context included) per
+step, as `build` times rounds for the adaptive policy;
 the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before.
 The report gives medians over prompts and passes, and the paired ratio round / step. Usage:
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -32,22 +32,6 @@ PROMPTS = [
 ]
 BOUNDS = {"dflash": ("round", 0.2), "dspark": ("round", 0.2), "eagle": ("token", 0.08),
           "eagle-tree": ("token", 0.08), "mtp": ("token", 0.08), "medusa": ("token", 0.03)}  # fmt: skip
-
-
-def timed_propose(drafter) -> dict:
-    """Wrap `drafter.propose` to add up its seconds and calls."""
-    acc = {"s": 0.0, "n": 0}
-    inner = drafter.propose
-
-    def propose(*a, **kw):
-        t0 = time.perf_counter()
-        out = inner(*a, **kw)
-        acc["s"] += time.perf_counter() - t0
-        acc["n"] += 1
-        return out
-
-    drafter.propose = propose
-    return acc
 
 
 def main() -> int:
@@ -66,7 +50,6 @@ def main() -> int:
         m: load(ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k)
         for m, k in specs
     }
-    accs = {m: timed_propose(sd.drafter) for m, sd in sds.items()}
     for sd in (ar, *sds.values()):
         sd.generate(PROMPTS[0], max_new_tokens=8, chat=True)  # warm-up
     rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau)
@@ -75,10 +58,9 @@ def main() -> int:
             r = ar.generate(p, max_new_tokens=a.tokens, chat=True)
             step = r.decode_time_s / max(r.num_new_tokens, 1)
             for m, sd in sds.items():
-                acc = accs[m]
-                acc["s"], acc["n"] = 0.0, 0
+                sd.decoder.draft_time = 0.0
                 res = sd.generate(p, max_new_tokens=a.tokens, chat=True)
-                rows[m].append((acc["s"] / max(acc["n"], 1), step, res.tau))
+                rows[m].append((sd.decoder.draft_time / max(res.num_steps, 1), step, res.tau))
     info = machine_info()
     machine = f"{info.get('cpu', '?')} (native bf16 GEMM: {info.get('bf16_gemm', '?')})"
     report = {"machine": info, "target": a.target, "tokens": a.tokens, "repeats": a.repeats, "methods": {}}

@@ -453,19 +453,20 @@ def verify_step(
     num_draft = proposal.num_draft.cpu()  # [B]
     nd = num_draft.tolist()
     k = proposal.max_k
+    tree_ids = None  # [B, N] node tokens, -1 past each row's nodes
+    if proposal.parents is not None:
+        tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
     if all(p.greedy for p in params):
-        if proposal.parents is None:
+        if tree_ids is None:
             v = verify_greedy(proposal.draft_ids, logits[..., :vocab_size], num_draft)
             return _chain_verdicts(v, nd)
-        tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
         parents = proposal.parents.cpu().expand(len(nd), -1)  # [B, N] (a shared shape broadcasts)
         rows = verify_tree_greedy(parents, tree_ids, logits[..., :vocab_size])
         return [Verdict(e, kept, nd[b], depth) for b, (e, kept, depth) in enumerate(rows)]
     target_probs = process_logits_batch(logits, list(params), vocab_size)  # [B, K+1, V]
     dev = target_probs.device
     q = None if proposal.draft_probs is None else proposal.draft_probs.to(dev)  # [B, K, V]
-    if proposal.parents is not None:
-        tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
+    if tree_ids is not None:
         u = step_uniforms(streams, positions, nd, k, "tree").to(dev)
         v = verify_tree_batch(proposal.parents, tree_ids.to(dev), q, target_probs, u, proposal.tree_iid)
         kept = v.kept_rows.tolist()

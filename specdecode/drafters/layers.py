@@ -8,7 +8,7 @@ Contract:
   decides what the queries attend to (training-time-test blocks, a per-slot KV cache, a tree).
   With `qk_norm` it has per-head RMSNorms `q_norm` / `k_norm` (weights [D]) applied to q and k
   before RoPE, as Qwen3 does; `kv(x)` gives the keys/values alone (same norm and RoPE).
-- `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool)` -> `[B, N, H*D]`.
+- `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool or None)` -> `[B, N, H*D]`.
 - `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
 - `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
   whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
@@ -112,11 +112,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * c + rot * s
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked GQA: q [B, N, H, D], k/v [B, M, Hk, D], mask [B, N, M] (True = visible) -> [B, N, H*D]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Masked GQA: q [B, N, H, D], k/v [B, M, Hk, D], mask [B, N, M] (True = visible; None: every
+    key visible) -> [B, N, H*D]."""
     B, N, H, D = q.shape
+    m = None if mask is None else mask.unsqueeze(1)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, enable_gqa=True
     )  # [B, H, N, D]
     return o.transpose(1, 2).reshape(B, N, H * D)
 

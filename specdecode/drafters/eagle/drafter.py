@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
@@ -107,17 +106,15 @@ class EagleDrafter(Drafter):
         vc = self.cache.v[0].transpose(1, 2)
         kc[sl, rows.to(self.device)] = k
         vc[sl, rows.to(self.device)] = v
-        if len(slots) == 1:  # one request: views of its rows in SDPA's layout, no gather
+        if len(slots) == 1:  # one request: views of its rows, no gather
             s = slots[0]
             span = int(rows.max()) + 1 if visible is None else visible.shape[-1]
-            keys, values = self.cache.k[0][s : s + 1, :, :span], self.cache.v[0][s : s + 1, :, :span]
-            mask = None if visible is None else visible.to(self.device)[:, None]  # [1, 1, N, span]
-            qh = q.transpose(1, 2)  # [1, H, N, D]
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-            return self.net.layer_out(hidden, o.transpose(1, 2).flatten(2))
-        span = visible.shape[-1]
-        keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
-        return self.net.layer_out(hidden, attend(q, keys, values, visible.to(self.device)))
+            keys, values = kc[s : s + 1, :span], vc[s : s + 1, :span]  # [1, span, Hk, D]
+        else:
+            span = visible.shape[-1]
+            keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
+        mask = None if visible is None else visible.to(self.device)
+        return self.net.layer_out(hidden, attend(q, keys, values, mask))
 
     @torch.no_grad()
     def _catch_up(self, batch: list[DraftRow], idx: list[int]) -> None:
