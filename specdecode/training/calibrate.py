@@ -143,20 +143,20 @@ def collect(
     saved = drafter.net.sts_temperature.clone(), drafter.net.sts_bias.clone()
     drafter.net.sts_temperature.fill_(1.0)
     drafter.net.sts_bias.fill_(0.0)
-    rows_z, rows_d, rows_a = [], [], []
+    # Rows are kept as Python numbers, not one small tensor each: thousands of long-lived small
+    # tensor storages between the decoder's large short-lived buffers pinned gigabytes of heap.
+    rows_z, rows_n, rows_a = [], [], []
     inner = drafter.advance
 
     def advance(batch, proposal, verdicts, target_out):
         conf = proposal.extras.get("confidences")
         if conf is not None:
-            for b in range(len(batch)):
-                n = int(proposal.num_draft[b])
+            num_draft = proposal.num_draft.tolist()
+            logits = torch.special.logit(conf.double(), eps=1e-9).tolist()  # [B, K]
+            for b, n in enumerate(num_draft):
                 if n > 0:
-                    c = conf[b, :n].double().clamp(1e-9, 1 - 1e-9)
-                    z = torch.zeros(K, dtype=torch.float64)
-                    z[:n] = torch.log(c) - torch.log1p(-c)
-                    rows_z.append(z)
-                    rows_d.append(torch.arange(K) < n)
+                    rows_z.append(logits[b][:n] + [0.0] * (K - n))
+                    rows_n.append(n)
                     rows_a.append(verdicts[b].num_accepted)
         inner(batch, proposal, verdicts, target_out)
 
@@ -175,7 +175,8 @@ def collect(
         drafter.net.sts_bias.copy_(saved[1])
     if not rows_z:
         raise SpecDecodeError("calibration collected no drafting rounds; use more or longer prompts")
-    return torch.stack(rows_z), torch.stack(rows_d), torch.tensor(rows_a)
+    drafted = torch.arange(K)[None] < torch.tensor(rows_n)[:, None]  # [N, K]
+    return torch.tensor(rows_z, dtype=torch.float64), drafted, torch.tensor(rows_a)
 
 
 def heldout_prompts(data_dir, target, limit: int) -> list[list[int]]:

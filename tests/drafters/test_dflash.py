@@ -343,6 +343,34 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
     assert code == 2
 
 
+def test_calibration_rows_are_the_served_rounds(trained, tiny, regen_dir):
+    """`collect` keeps one row per request and drafting round: the logits of the confidences the
+    drafter proposed (0 past the round's drafts) and the number of those drafts accepted."""
+    from specdecode.training.calibrate import collect, heldout_prompts
+
+    src, _ = trained("dspark")
+    drafter = load_dspark(src, tiny)
+    proposed, inner = [], drafter.propose
+
+    def propose(batch, num_draft):
+        out = inner(batch, num_draft)
+        proposed.append((out.num_draft.tolist(), out.extras["confidences"].clone()))
+        return out
+
+    drafter.propose = propose
+    prompts = heldout_prompts(regen_dir, tiny, 3)
+    z, drafted, accepted = collect(tiny, drafter, prompts, max_new_tokens=16, max_batch=2)
+    expect = [
+        torch.logit(c[b, :n].double(), eps=1e-9) for nd, c in proposed for b, n in enumerate(nd) if n > 0
+    ]
+    assert len(z) == len(expect) > 3 and drafted.shape == z.shape
+    for row, d, e in zip(z, drafted, expect, strict=True):
+        assert int(d.sum()) == len(e) and bool(d[: len(e)].all())
+        torch.testing.assert_close(row[: len(e)], e)
+        assert not row[len(e) :].any()
+    assert bool(((accepted >= 0) & (accepted <= drafted.sum(dim=1))).all())
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_training_with_qk_norm_and_a_mask_token_gives_an_exportable_drafter(
     tiny, regen_dir, train_cfg, method_kw, tmp_path, method
