@@ -122,6 +122,52 @@ def test_confidence_tables_give_the_confidence_head():
     torch.testing.assert_close(h @ w + row[prev], net.confidence_logit(h, prev), rtol=1e-5, atol=1e-5)
 
 
+def test_markov_table_gives_the_markov_head():
+    torch.manual_seed(0)
+    cfg = _tiny_net("dspark").cfg
+    cfg.markov_rank = 8
+    net = DSpark(cfg).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+    U, prev = torch.randn(6, 50), torch.tensor([0, 3, 49, 50, 7, 7])  # 50 = "outside the draft vocabulary"
+    table = net.markov_table()
+    assert table.shape == (51, 50)
+    torch.testing.assert_close(U + table[prev], net.markov_logits(U, prev), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, monkeypatch, temperature):
+    """The drafter gathers Markov rows from the table, or multiplies by W2 when the table would
+    not fit its memory budget: same drafts, confidences and q, same outputs."""
+    import specdecode.drafters.dspark.drafter as dspark_drafter
+
+    out, _ = trained("dspark")
+    prompts = [tiny.tokenizer(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello")]
+    runs = []
+    for budget in (dspark_drafter.MARKOV_TABLE_BYTES, 0):
+        monkeypatch.setattr(dspark_drafter, "MARKOV_TABLE_BYTES", budget)
+        drafter = load_dspark(out, tiny)
+        assert (drafter.markov is None) == (budget == 0)
+        proposals, inner = [], drafter.propose
+
+        def propose(batch, num_draft, inner=inner, proposals=proposals):
+            proposals.append(inner(batch, num_draft))
+            return proposals[-1]
+
+        drafter.propose = propose
+        res = _decode(tiny, drafter, 4, prompts, SamplingParams(temperature=temperature), max_new=24)
+        runs.append(([r.token_ids for r in res], proposals))
+    (tokens_t, table), (tokens_p, product) = runs
+    assert tokens_t == tokens_p and len(table) == len(product) > 2
+    for a, b in zip(table, product, strict=True):
+        assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
+        torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"])
+        assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
+        if temperature > 0:
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
+
+
 def test_one_block_per_request_equals_the_training_layout():
     """draft_states (inference: cache-layout keys, a per-request context mask) == block_states."""
     net = _tiny_net()

@@ -7,7 +7,9 @@ Contract:
   anchor), then x_k is sampled from q_k = process(U_k + W2(W1[x_{k-1}])) with the request's
   generator; q_k, the corrected distribution, is what rejection sampling uses. The pass runs
   over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
-  target vocabulary once per round (DFlashDrafter.propose).
+  target vocabulary once per round (DFlashDrafter.propose). W2(W1[x]) is read from
+  `DSpark.markov_table()` (one row gathered per slot, in the network's format) when the table
+  fits `MARKOV_TABLE_BYTES`, else computed per slot.
 - Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
   slots' state parts, one table entry per slot for the previous token's part), per slot only
   when a threshold needs it, else for all slots after the pass. When every request of the batch
@@ -32,6 +34,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.sampling import sample
 
 THRESHOLD_ON = ("survival", "confidence")
+# The Markov table trades memory for the per-slot product: (Vd + 1) x Vd values (134 MB in bf16,
+# 268 MB in fp32 for the default Vd 8192); larger draft vocabularies keep the product.
+MARKOV_TABLE_BYTES = 300 * 2**20
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -54,6 +59,10 @@ class DSparkDrafter(DFlashDrafter):
         self.threshold, self.threshold_on = confidence_threshold, threshold_on
         self.t2d = t2d_table(net.d2t, self.vocab_rows).to(self.device)  # [V]
         self.conf_w, self.conf_row = (t.to(self.device) for t in net.confidence_tables())  # [d], [Vd + 1]
+        dtype = net.W2.weight.dtype
+        Vd = net.cfg.draft_vocab_size
+        fits = (Vd + 1) * Vd * dtype.itemsize <= MARKOV_TABLE_BYTES
+        self.markov = net.markov_table().to(self.device, dtype) if fits else None  # [Vd + 1, Vd]
 
     def _draft(self, batch, idx, states, num):
         net, K, n = self.net, max(num), len(idx)
@@ -81,7 +90,10 @@ class DSparkDrafter(DFlashDrafter):
                         num[i] = j  # stop before sampling x_j: decided from x_{<j} only
             if all(j >= k for k in num):
                 break
-            logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
+            if self.markov is None:
+                logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
+            else:
+                logits = U[:, j] + self.markov[prev].to(U.dtype)  # [B', Vd]
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 x = self.vocab.argmax(logits)
             else:

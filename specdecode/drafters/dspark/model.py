@@ -15,6 +15,9 @@ Contract:
 - `confidence_tables()` -> (w [d], row [Vd + 1]) fp32 with confidence_logit(h, prev) =
   h @ w + row[prev]: the head split into its state part (one product for every slot of a block)
   and a table over the previous token (inference reads one entry per slot).
+- `markov_table()` -> [Vd + 1, Vd] fp32 with markov_logits(U, prev) = U + table[prev]: the
+  Markov correction of every previous token, so a drafting slot gathers one row (Vd values)
+  instead of multiplying by W2 (r x Vd: 8 MB in fp32 for Vd 8192, read once per slot).
 Legend: as in dflash/model.py; r Markov rank.
 """
 
@@ -50,3 +53,7 @@ class DSpark(DFlash):
         w = self.conf.weight.float()[0]  # [d + r]
         row = self.W1.weight.float() @ w[d:] + self.conf.bias.float()  # [Vd + 1]
         return w[:d], row
+
+    @torch.no_grad()
+    def markov_table(self) -> torch.Tensor:
+        return self.W1.weight.float() @ self.W2.weight.float().T  # [Vd + 1, Vd]
