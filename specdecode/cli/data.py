@@ -25,6 +25,12 @@ def add_parsers(sub) -> None:
     options.add_out(db, "directory for train.jsonl, heldout.jsonl, stats.json")
     db.add_argument("--num-prompts", type=int, default=4000)
     db.add_argument("--heldout-fraction", type=float, default=0.05)
+    db.add_argument(
+        "--sources",
+        default=None,
+        help="comma-separated sources to draw from (default: all; code,docs,math,instructions rebuilds "
+        "a version 1 set)",
+    )
     options.add_seed(db)
     options.add_overwrite(db)
     db.set_defaults(handler=build)
@@ -102,6 +108,7 @@ def build(a: argparse.Namespace) -> None:
         num_prompts=a.num_prompts,
         heldout_fraction=a.heldout_fraction,
         seed=a.seed,
+        sources=None if a.sources is None else [s.strip() for s in a.sources.split(",") if s.strip()],
         overwrite=a.overwrite,
     )
     stats = json.loads((out / "stats.json").read_text())

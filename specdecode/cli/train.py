@@ -24,7 +24,7 @@ from specdecode.training.ngram_table import build_table_checkpoint
 from specdecode.training.run import TRAINABLE, run_comparison, run_training, split_methods, trainable
 from specdecode.training.trainer import TrainConfig
 
-_REGEN_HELP = "directory from `specdecode data regen`"
+_REGEN_HELP = "directory from `specdecode data regen` (several, comma-separated: their answers together)"
 
 
 def add_parsers(sub) -> None:

@@ -3,6 +3,8 @@
 Contract:
 - `load_sequences(regen_dir, split, max_len, target_fingerprint)` -> list of `Sequence` (ids and
   loss mask as long tensors, cut to `max_len`; sequences without a response token dropped).
+  `regen_dir` may name several directories (`regen_dirs`: comma-separated or a list), each
+  checked against the target; their sequences are read in the order given.
 - `plan_batches(lengths, tokens_per_batch, seed, epoch)` -> list of index lists: sequences of
   similar length grouped so that padded rows x max length <= tokens_per_batch, in an order fixed
   by (seed, epoch). The trainer walks it with a global cursor, so a resumed run sees exactly the
@@ -27,14 +29,24 @@ class Sequence:
     loss_mask: torch.Tensor  # [T] long (1 = response token)
 
 
+def regen_dirs(regen_dir) -> list[str]:
+    """`"a,b"`, a path or a list of them -> the directories, in order."""
+    parts = [regen_dir] if not isinstance(regen_dir, (list, tuple)) else list(regen_dir)
+    dirs = [d.strip() for p in parts for d in str(p).split(",") if d.strip()]
+    if not dirs:
+        raise SpecDecodeError("no regenerated data directory given (--data DIR[,DIR...])")
+    return dirs
+
+
 def load_sequences(
     regen_dir, split: str, max_len: int, target_fingerprint: str | None = None
 ) -> list[Sequence]:
     out = []
-    for rec in read_regen(regen_dir, split, target_fingerprint):
-        ids, mask = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
-        if sum(mask) >= 2:
-            out.append(Sequence(torch.tensor(ids), torch.tensor(mask)))
+    for d in regen_dirs(regen_dir):
+        for rec in read_regen(d, split, target_fingerprint):
+            ids, mask = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
+            if sum(mask) >= 2:
+                out.append(Sequence(torch.tensor(ids), torch.tensor(mask)))
     if not out:
         raise SpecDecodeError(f"{regen_dir} ({split}) has no sequence with a response to train on")
     return out

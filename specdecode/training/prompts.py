@@ -1,11 +1,12 @@
 """Training prompt set for drafters: real offline sources, disjoint from every benchmark prompt.
 
 Contract:
-- Four deterministic offline sources (code, docs, math, instructions; `training/sources.py`),
-  mixed in fixed `SOURCE_SHARES`.
+- Five deterministic offline sources (code, docs, math, instructions, chat; `training/sources.py`),
+  mixed in fixed `SOURCE_SHARES`; `sources=` builds a set from some of them, their shares
+  renormalised (the four older ones alone rebuild version 1's sets exactly).
 - A record: `{"id": "<source>/<template>/<subject>", "source", "messages": [one user turn]}`
   (+ `"answer"`: int, math only). Ids are unique, and so are user texts after `normalize_text`.
-- `build_prompt_set(num_prompts, heldout_fraction, seed)` takes each source's quota (largest
+- `build_prompt_set(num_prompts, heldout_fraction, seed, sources)` takes each source's quota (largest
   remainder) from its pool in sha256(seed, id) order, so a larger set with the same seed contains
   a smaller one, and interleaves the sources so that every prefix holds them in proportion. A
   record is held out when the hash of its normalised text is below `heldout_fraction`: it is on
@@ -34,7 +35,7 @@ from specdecode.datasets import DATASET_VERSION, benchmark_texts, load_prompt_se
 from specdecode.errors import SpecDecodeError
 from specdecode.training.sources import SOURCE_SHARES, SOURCES, hash64, user_texts
 
-PROMPT_SET_VERSION = "1"  # bump whenever any prompt changes
+PROMPT_SET_VERSION = "2"  # bump whenever any prompt changes (2: the chat source)
 MIN_PROMPTS = 10
 
 
@@ -86,9 +87,22 @@ def _pools() -> dict[str, tuple[dict, ...]]:
     return pools
 
 
-def _quotas(num_prompts: int) -> dict[str, int]:
-    """Largest-remainder split of num_prompts over SOURCE_SHARES (ties: source order)."""
-    exact = {s: Fraction(str(share)) * num_prompts for s, share in SOURCE_SHARES.items()}
+def shares(sources=None) -> dict[str, Fraction]:
+    """The mix of `sources` (None: all): their SOURCE_SHARES, renormalised to sum to 1."""
+    names = tuple(SOURCE_SHARES) if sources is None else tuple(sources)
+    unknown = [s for s in names if s not in SOURCE_SHARES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise SpecDecodeError(
+            f"sources must be distinct names from {', '.join(SOURCE_SHARES)}, "
+            f"got {', '.join(names) or 'none'}"
+        )
+    total = sum(Fraction(str(SOURCE_SHARES[s])) for s in names)
+    return {s: Fraction(str(share)) / total for s, share in SOURCE_SHARES.items() if s in names}
+
+
+def _quotas(num_prompts: int, mix: dict[str, Fraction]) -> dict[str, int]:
+    """Largest-remainder split of num_prompts over the mix (ties: source order)."""
+    exact = {s: share * num_prompts for s, share in mix.items()}
     quotas = {s: int(q) for s, q in exact.items()}
     by_remainder = sorted(exact, key=lambda s: quotas[s] - exact[s])  # stable: source order on ties
     for s in by_remainder[: num_prompts - sum(quotas.values())]:
@@ -97,11 +111,11 @@ def _quotas(num_prompts: int) -> dict[str, int]:
 
 
 @functools.cache
-def max_prompts() -> int:
-    """The largest set the offline sources supply in the fixed mix."""
-    pools = _pools()
-    n = min(int(len(pools[s]) / share) for s, share in SOURCE_SHARES.items()) + 1
-    while any(q > len(pools[s]) for s, q in _quotas(n).items()):
+def max_prompts(sources: tuple[str, ...] | None = None) -> int:
+    """The largest set the offline sources (None: all) supply in their mix."""
+    pools, mix = _pools(), shares(sources)
+    n = int(min(len(pools[s]) / share for s, share in mix.items())) + 1
+    while any(q > len(pools[s]) for s, q in _quotas(n, mix).items()):
         n -= 1
     return n
 
@@ -116,12 +130,15 @@ def _is_heldout(record: dict, heldout_fraction: float) -> bool:
     return hash64("heldout", *map(normalize_text, user_texts(record))) < heldout_fraction * 2**64
 
 
-def _check_params(num_prompts, heldout_fraction, seed) -> None:
-    if type(num_prompts) is not int or not MIN_PROMPTS <= num_prompts <= max_prompts():
-        available = ", ".join(f"{s} {len(p)}" for s, p in _pools().items())
+def _check_params(num_prompts, heldout_fraction, seed, sources) -> None:
+    mix = shares(sources)
+    most = max_prompts(sources)
+    if type(num_prompts) is not int or not MIN_PROMPTS <= num_prompts <= most:
+        available = ", ".join(f"{s} {len(p)}" for s, p in _pools().items() if s in mix)
+        in_mix = ", ".join(f"{s} {float(share):.3g}" for s, share in mix.items())
         raise SpecDecodeError(
-            f"num_prompts must be an integer from {MIN_PROMPTS} to {max_prompts()} (the maximum the offline "
-            f"sources supply in the mix {SOURCE_SHARES}; distinct prompts: {available}), got {num_prompts!r}"
+            f"num_prompts must be an integer from {MIN_PROMPTS} to {most} (the maximum the offline "
+            f"sources supply in the mix {in_mix}; distinct prompts: {available}), got {num_prompts!r}"
         )
     if type(heldout_fraction) not in (int, float) or not 0 < heldout_fraction <= 0.5:
         raise SpecDecodeError(f"heldout_fraction must be a number in (0, 0.5], got {heldout_fraction!r}")
@@ -129,12 +146,16 @@ def _check_params(num_prompts, heldout_fraction, seed) -> None:
         raise SpecDecodeError(f"seed must be an integer, got {seed!r}")
 
 
-def build_prompt_set(num_prompts: int = 4000, heldout_fraction: float = 0.05, seed: int = 0) -> dict:
+def build_prompt_set(
+    num_prompts: int = 4000, heldout_fraction: float = 0.05, seed: int = 0, sources=None
+) -> dict:
     """{"train": [...], "heldout": [...], "stats": {...}}: num_prompts fresh records in all."""
-    _check_params(num_prompts, heldout_fraction, seed)
-    pools, quotas = _pools(), _quotas(num_prompts)
+    sources = None if sources is None else tuple(sources)
+    _check_params(num_prompts, heldout_fraction, seed, sources)
+    mix = shares(sources)
+    pools, quotas = _pools(), _quotas(num_prompts, mix)
     # 1. each source's quota: a prefix of its pool in seeded-hash order, so prefix-stable in n
-    picked = [sorted(pools[s], key=lambda r: hash64(seed, r["id"]))[: quotas[s]] for s in SOURCE_SHARES]
+    picked = [sorted(pools[s], key=lambda r: hash64(seed, r["id"]))[: quotas[s]] for s in mix]
     # 2. interleave so that every prefix holds the sources in proportion
     keyed = [(Fraction(2 * j + 1, 2 * len(g)), gi, r) for gi, g in enumerate(picked) for j, r in enumerate(g)]
     records = copy.deepcopy([r for *_, r in sorted(keyed, key=lambda t: t[:2])])
@@ -142,10 +163,10 @@ def build_prompt_set(num_prompts: int = 4000, heldout_fraction: float = 0.05, se
     # 3. split on the text's hash alone, so a record's side does not depend on num_prompts or seed
     heldout = [r for r in records if _is_heldout(r, heldout_fraction)]
     train = [r for r in records if not _is_heldout(r, heldout_fraction)]
-    sources = {s: {"share": share, "available": len(pools[s])} for s, share in SOURCE_SHARES.items()}
+    counts = {s: {"share": round(float(share), 6), "available": len(pools[s])} for s, share in mix.items()}
     for split, split_records in (("train", train), ("heldout", heldout)):
-        for s in sources:
-            sources[s][split] = sum(r["source"] == s for r in split_records)
+        for s in counts:
+            counts[s][split] = sum(r["source"] == s for r in split_records)
     stats = dict(
         version=PROMPT_SET_VERSION,
         python=f"CPython {sys.version_info.major}.{sys.version_info.minor}",
@@ -155,7 +176,7 @@ def build_prompt_set(num_prompts: int = 4000, heldout_fraction: float = 0.05, se
         num_heldout=len(heldout),
         heldout_fraction=heldout_fraction,
         seed=seed,
-        sources=sources,
+        sources=counts,
         fingerprint=fingerprint(train + heldout),
     )
     return {"train": train, "heldout": heldout, "stats": stats}

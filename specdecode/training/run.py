@@ -29,7 +29,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
 from specdecode.training.compare import compare, trained_state
-from specdecode.training.data import load_sequences
+from specdecode.training.data import load_sequences, regen_dirs
 from specdecode.training.features import FeatureCache
 from specdecode.training.methods import TASKS, MTPNativeTask
 from specdecode.training.trainer import feature_union, read_state, train_many
@@ -112,8 +112,8 @@ def split_methods(method) -> list[str]:
 
 
 def _eval_prompts(target, data_dir, eval_data, n: int) -> list[list[int]]:
-    try:
-        return heldout_prompts(eval_data or data_dir, target, n) if n else []
+    try:  # several data directories: the first one's held-out prompts
+        return heldout_prompts(eval_data or regen_dirs(data_dir)[0], target, n) if n else []
     except SpecDecodeError:
         return []
 

@@ -10,6 +10,8 @@ in `SOURCE_SHARES` by `training.prompts`:
     math          generated integer word problems (own templates and `TRAIN_MATH_SEED`,
                   `math_problem(index)`); + `answer`
     instructions  writing / explaining / comparing templates over `PROGRAMMING_TOPICS`, `SCIENCE_TOPICS`
+    chat          everyday assistant requests: writing, role-play, extraction, humanities,
+                  advice, argument (`training.sources_chat`)
 A record: `{"id": "<source>/<template>/<subject>", "source", "messages": [one user turn]}`
 (+ `"answer"`: int, math only). `user_texts(record)` and `hash64(*parts)` are shared with
 `training.prompts`. Docstrings and pydoc topics depend on the CPython minor version.
@@ -26,8 +28,11 @@ import re
 import warnings
 
 from specdecode.datasets import load_category, normalize_text
+from specdecode.training.sources_chat import chat_prompts
 
-SOURCE_SHARES = {"code": 0.40, "docs": 0.20, "math": 0.15, "instructions": 0.25}
+# Shares of the full mix. A set built from some of the sources (`build_prompt_set(sources=...)`)
+# renormalises theirs: the four older sources alone give the first prompt set's 0.4/0.2/0.15/0.25.
+SOURCE_SHARES = {"code": 0.32, "docs": 0.16, "math": 0.12, "instructions": 0.20, "chat": 0.20}
 TRAIN_MATH_SEED = 90210  # the benchmark's arithmetic uses another seed (1729)
 NUM_MATH = 2000  # generated problems in the math pool, before deduplication
 PASSAGE_MIN_CHARS, PASSAGE_MAX_CHARS = 250, 1500  # the benchmark's passages are 800-2500
@@ -355,5 +360,15 @@ def _instruction_records() -> list[dict]:
     return out
 
 
-SOURCES = dict(code=_code_records, docs=_doc_records, math=_math_records, instructions=_instruction_records)
+def _chat_records() -> list[dict]:
+    return [_record("chat", template, subject, text) for template, subject, text in chat_prompts()]
+
+
+SOURCES = dict(
+    code=_code_records,
+    docs=_doc_records,
+    math=_math_records,
+    instructions=_instruction_records,
+    chat=_chat_records,
+)
 assert list(SOURCES) == list(SOURCE_SHARES)

@@ -14,7 +14,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.training import prompts as P
 from specdecode.training import sources as S
 
-SOURCES = ("code", "docs", "math", "instructions")
+SOURCES = ("code", "docs", "math", "instructions", "chat")
+V1_SOURCES = SOURCES[:4]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_thousands_of_unique_prompts_in_the_fixed_mix(default_set):
     assert len({r["id"] for r in records}) == 4000
     assert len({D.normalize_text(_text(r)) for r in records}) == 4000
     counts = {s: sum(r["source"] == s for r in records) for s in SOURCES}
-    assert counts == {"code": 1600, "docs": 800, "math": 600, "instructions": 1000}
+    assert counts == {"code": 1280, "docs": 640, "math": 480, "instructions": 800, "chat": 800}
     for r in records:
         assert set(r) <= {"id", "source", "messages", "answer"} and r["id"].startswith(r["source"] + "/")
         assert ("answer" in r) == (r["source"] == "math")
@@ -64,6 +65,9 @@ def test_every_source_offers_real_variety(full_set):
     assert {"implement", "implement_class", "explain", "tests"} <= templates["code"]
     assert templates["docs"] == {"summary", "explain", "qa", "key_points"}
     assert len(templates["math"]) == 8 and "compare" in templates["instructions"]
+    assert {"email", "story", "role_day", "extract_people", "extract_reviews", "persuade"} <= templates[
+        "chat"
+    ]
     assert P.max_prompts() >= 5000
 
 
@@ -160,7 +164,7 @@ def test_math_answers_are_correct(full_set):
         "legs": lambda chickens, cows: 2 * chickens + 4 * cows,
     }
     math = [r for r in _all(full_set) if r["source"] == "math"]
-    assert len(math) > 900
+    assert len(math) > 800
     for r in math:
         kind, index = r["id"].split("/")[1:]
         numbers = [int(n) for n in re.findall(r"\d+", _text(r))]
@@ -269,6 +273,29 @@ def test_too_many_prompts_names_the_maximum():
 
 def test_quotas_follow_the_shares():
     for n in (10, 11, 99, 1234, 4000):
-        quotas = P._quotas(n)
+        quotas = P._quotas(n, P.shares())
         assert sum(quotas.values()) == n
         assert all(abs(quotas[s] - share * n) < 1 for s, share in P.SOURCE_SHARES.items())
+
+
+def test_a_set_from_some_sources_renormalises_their_shares():
+    """The four older sources alone mix as version 1 did (0.4 / 0.2 / 0.15 / 0.25), so a version 1
+    set is rebuilt record for record; one source alone is all of the set."""
+    assert {s: float(v) for s, v in P.shares(V1_SOURCES).items()} == {
+        "code": 0.4,
+        "docs": 0.2,
+        "math": 0.15,
+        "instructions": 0.25,
+    }
+    assert P._quotas(4000, P.shares(V1_SOURCES)) == {
+        "code": 1600,
+        "docs": 800,
+        "math": 600,
+        "instructions": 1000,
+    }
+    chat = P.build_prompt_set(200, sources=["chat"])
+    assert {r["source"] for r in _all(chat)} == {"chat"} and len(_all(chat)) == 200
+    assert list(chat["stats"]["sources"]) == ["chat"]
+    for bad in (["chat", "chat"], ["novels"], []):
+        with pytest.raises(SpecDecodeError, match="sources must be distinct names"):
+            P.build_prompt_set(100, sources=bad)

@@ -186,3 +186,29 @@ def test_offline_vs_served_scores_a_run_on_its_own_vocabulary(data, tmp_path, mo
     task = tasks[0]
     assert torch.equal(task.net.d2t.cpu(), saved)
     torch.testing.assert_close(task.module._frozen[1], target.model.lm_head_weight()[saved].float())
+
+
+def test_training_data_from_several_regen_directories(data, tmp_path):
+    """`--data A,B`: the sequences of A then B, each directory checked against the target."""
+    import json
+
+    from specdecode.errors import SpecDecodeError
+
+    target, regen = data
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "meta.json").write_text((regen / "meta.json").read_text())
+    lines = (regen / "train.jsonl").read_text().splitlines()
+    (other / "train.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    one = load_sequences(regen, "train", 512, target.fingerprint)
+    both = load_sequences(f"{regen},{other}", "train", 512, target.fingerprint)
+    listed = load_sequences([str(regen), str(other)], "train", 512, target.fingerprint)
+    assert len(both) == len(listed) == len(one) + 3
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(listed, both, strict=True))
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(both[len(one) :], one[:3], strict=True))
+    meta = json.loads((regen / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "target_fingerprint": "another"}))
+    with pytest.raises(SpecDecodeError, match="not by this target"):
+        load_sequences(f"{regen},{other}", "train", 512, target.fingerprint)
+    with pytest.raises(SpecDecodeError, match="no regenerated data directory"):
+        load_sequences(" , ", "train", 512, target.fingerprint)
