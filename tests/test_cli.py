@@ -142,6 +142,13 @@ def test_data_build_writes_a_disjoint_prompt_set(capsys, tmp_path):
     assert len(lines) + len(held) == 200 and "train" in out
     code, _, err = _run(capsys, "data", "build", "--out", str(tmp_path / "d"), "--num-prompts", "300")
     assert code == 2 and "overwrite" in err
+    args = ("data", "build", "--out", str(tmp_path / "chat"), "--num-prompts", "50", "--sources", "chat")
+    code, _, err = _run(capsys, *args)
+    assert code == 0, err
+    chat = (tmp_path / "chat" / "train.jsonl").read_text() + (tmp_path / "chat" / "heldout.jsonl").read_text()
+    assert [json.loads(line)["source"] for line in chat.splitlines()] == ["chat"] * 50
+    code, _, err = _run(capsys, "data", "build", "--out", str(tmp_path / "e"), "--sources", "novels")
+    assert code == 2 and "sources must be distinct names" in err
 
 
 def test_demo_compares_ar_with_the_method_asked_for(capsys, tiny_llama_dir):
