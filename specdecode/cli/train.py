@@ -119,6 +119,12 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="also fit a per-position bias (not in the paper; for heads off by a constant, e.g. over-fitted)",
     )
+    c.add_argument(
+        "--rounds",
+        default=None,
+        help="file for the collected rounds: written after decoding; when it exists (same drafter weights, "
+        "target, prompts and settings) the fit reads it instead of decoding again",
+    )
     options.add_dtype(c)
     options.add_device(c)
     c.set_defaults(handler=calibrate)
@@ -244,6 +250,7 @@ def calibrate(a: argparse.Namespace) -> None:
         device=a.device,
         max_batch=a.max_batch,
         bias=a.bias,
+        rounds=a.rounds,
     )
     print(
         f"{res['prompts']} prompts at T = {res['temperature']}: {res['rounds_fit']} rounds fit, "

@@ -25,17 +25,23 @@ Contract:
   evaluates on the rest (`--eval-fraction`), writes the temperatures into the checkpoint
   (`sts_temperature` in model.safetensors, a "calibration" record in config.json; atomic),
   and writes calibration.json + reliability.png next to it; prints the table.
+  `rounds=FILE`: the collected rounds are saved there (safetensors, with what they were
+  collected from: the drafter's weights without its calibration, the target, the settings), and
+  a later run with the same FILE refits from them instead of decoding again (`--bias`, another
+  `--eval-fraction`); rounds of other weights or settings are refused.
 Legend: N rounds x requests, K draft positions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specdecode.config import SamplingParams
@@ -193,6 +199,39 @@ def heldout_prompts(data_dir, target, limit: int) -> list[list[int]]:
     return out[:limit]
 
 
+def weights_fingerprint(drafter_dir) -> str:
+    """sha256 of a checkpoint's tensors without its calibration (sts_*): what rounds depend on."""
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(Path(drafter_dir) / "model.safetensors")).items()):
+        if not name.startswith("sts_"):
+            h.update(name.encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def load_or_collect(path, source: dict, collect_rounds):
+    """(z, drafted, accepted) from `path` when it holds rounds of `source`, else collected and saved
+    there (atomic); rounds collected from anything else are refused."""
+    path = Path(path)
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            saved = json.loads((f.metadata() or {}).get("source", "{}"))
+            rounds = tuple(f.get_tensor(k) for k in ("z", "drafted", "accepted"))
+        diff = sorted(k for k in source if saved.get(k) != source[k])
+        if diff:
+            raise SpecDecodeError(
+                f"{path} holds rounds collected with another {', '.join(diff)}; "
+                "delete it or pass another --rounds file to collect again"
+            )
+        return rounds
+    z, drafted, accepted = collect_rounds()
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = {"z": z.contiguous(), "drafted": drafted.contiguous(), "accepted": accepted.contiguous()}
+    save_file(tensors, str(tmp), metadata={"source": json.dumps(source)})
+    os.replace(tmp, path)
+    return z, drafted, accepted
+
+
 def write_temperatures(drafter_dir, temps: list[float], biases: list[float], record: dict) -> None:
     """Store the STS temperatures (and biases) in the checkpoint (atomic: weights, then config)."""
     d = Path(drafter_dir)
@@ -262,6 +301,7 @@ def calibrate(
     max_batch: int = 8,
     bias: bool = False,
     write: bool = True,
+    rounds=None,
 ) -> dict:
     if not 0.0 <= eval_fraction < 1.0:
         raise SpecDecodeError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
@@ -272,7 +312,18 @@ def calibrate(
     )
     drafter = load_dspark(drafter_dir, target)
     prompts = heldout_prompts(data_dir, target, num_prompts)
-    z, drafted, accepted = collect(target, drafter, prompts, temperature, max_new_tokens, max_batch)
+    run = lambda: collect(target, drafter, prompts, temperature, max_new_tokens, max_batch)  # noqa: E731
+    if rounds is None:
+        z, drafted, accepted = run()
+    else:
+        source = {
+            "drafter_weights": weights_fingerprint(drafter_dir),
+            "target": target.fingerprint,
+            "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+        }
+        z, drafted, accepted = load_or_collect(rounds, source, run)
     n_fit = len(z) - int(len(z) * eval_fraction)
     fit = (z[:n_fit], drafted[:n_fit], accepted[:n_fit])
     ev = (z[n_fit:], drafted[n_fit:], accepted[n_fit:]) if n_fit < len(z) else fit

@@ -389,6 +389,52 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(
     assert code == 2
 
 
+def test_calibrate_refits_from_saved_rounds_without_decoding(
+    capsys, trained, tiny_llama_dir, regen_dir, tmp_path, monkeypatch
+):
+    """--rounds FILE: the first run decodes and saves the rounds; a second run (here with --bias)
+    refits from them without decoding; rounds of other settings or weights are refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import specdecode.training.calibrate as cal
+    from specdecode.cli import main
+
+    src, _ = trained("dspark")
+    out = tmp_path / "dspark-rounds"
+    shutil.copytree(src, out)
+    rounds = tmp_path / "rounds.safetensors"
+    args = ["calibrate", "--target", str(tiny_llama_dir), "--drafter", str(out), "--data", str(regen_dir)]
+    args += ["--num-prompts", "4", "--dtype", "fp32", "--rounds", str(rounds)]
+    assert main([*args, "--max-new-tokens", "24"]) == 0
+    first = json.loads((out / "calibration.json").read_text())
+    capsys.readouterr()
+
+    def no_decoding(*a, **k):
+        raise AssertionError("the rounds were collected again")
+
+    monkeypatch.setattr(cal, "collect", no_decoding)
+    assert main([*args, "--max-new-tokens", "24", "--bias"]) == 0  # temperatures written meanwhile
+    second = json.loads((out / "calibration.json").read_text())
+    assert second["method"] == "sts+bias"
+    assert (second["rounds_fit"], second["rounds_eval"]) == (first["rounds_fit"], first["rounds_eval"])
+    assert [r["n"] for r in second["before"]] == [r["n"] for r in first["before"]]
+    capsys.readouterr()
+    assert main([*args, "--max-new-tokens", "16"]) == 2
+    assert "collected with another max_new_tokens" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+
+    w = load_file(str(other / "model.safetensors"))
+    name = next(k for k in sorted(w) if not k.startswith("sts_") and w[k].is_floating_point())
+    w[name] = w[name] + 1
+    save_file(w, str(other / "model.safetensors"))
+    args[args.index(str(out))] = str(other)
+    assert main([*args, "--max-new-tokens", "24"]) == 2
+    assert "collected with another drafter_weights" in capsys.readouterr().err
+
+
 def test_calibration_rows_are_the_served_rounds(trained, tiny, regen_dir):
     """`collect` keeps one row per request and drafting round: the logits of the confidences the
     drafter proposed (0 past the round's drafts) and the number of those drafts accepted."""
