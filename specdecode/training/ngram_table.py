@@ -46,11 +46,12 @@ def build_table_checkpoint(
     if min_count < 1 or not 0.0 <= min_share <= 1.0:
         raise SpecDecodeError(f"--min-count must be >= 1, min_share in [0, 1]: {min_count}, {min_share}")
     t0 = time.perf_counter()
-    answers = table_answers(data_dir, target, max(orders) - 1)
+    dirs = regen_dirs(data_dir)
+    answers = table_answers(dirs, target, max(orders) - 1)
     if not answers:
         raise SpecDecodeError(f"{data_dir} holds no regenerated answers to count")
     table = NgramTable.build(answers, orders, min_count, min_share)
-    metas = [json.loads((Path(d) / META).read_text()) for d in regen_dirs(data_dir)]
+    metas = [json.loads((Path(d) / META).read_text()) for d in dirs]
     arch = {"orders": list(table.orders), "min_count": min_count, "min_share": min_share}
     summary = {
         "answers": len(answers),

@@ -130,7 +130,8 @@ def _is_heldout(record: dict, heldout_fraction: float) -> bool:
     return hash64("heldout", *map(normalize_text, user_texts(record))) < heldout_fraction * 2**64
 
 
-def _check_params(num_prompts, heldout_fraction, seed, sources) -> None:
+def _check_params(num_prompts, heldout_fraction, seed, sources) -> dict[str, Fraction]:
+    """Refuses bad parameters; returns the mix of `sources`."""
     mix = shares(sources)
     most = max_prompts(sources)
     if type(num_prompts) is not int or not MIN_PROMPTS <= num_prompts <= most:
@@ -144,6 +145,7 @@ def _check_params(num_prompts, heldout_fraction, seed, sources) -> None:
         raise SpecDecodeError(f"heldout_fraction must be a number in (0, 0.5], got {heldout_fraction!r}")
     if type(seed) is not int:
         raise SpecDecodeError(f"seed must be an integer, got {seed!r}")
+    return mix
 
 
 def build_prompt_set(
@@ -151,8 +153,7 @@ def build_prompt_set(
 ) -> dict:
     """{"train": [...], "heldout": [...], "stats": {...}}: num_prompts fresh records in all."""
     sources = None if sources is None else tuple(sources)
-    _check_params(num_prompts, heldout_fraction, seed, sources)
-    mix = shares(sources)
+    mix = _check_params(num_prompts, heldout_fraction, seed, sources)
     pools, quotas = _pools(), _quotas(num_prompts, mix)
     # 1. each source's quota: a prefix of its pool in seeded-hash order, so prefix-stable in n
     picked = [sorted(pools[s], key=lambda r: hash64(seed, r["id"]))[: quotas[s]] for s in mix]

@@ -28,7 +28,6 @@ import re
 import warnings
 
 from specdecode.datasets import load_category, normalize_text
-from specdecode.training.sources_chat import chat_prompts
 
 # Shares of the full mix. A set built from some of the sources (`build_prompt_set(sources=...)`)
 # renormalises theirs: the four older sources alone give the first prompt set's 0.4/0.2/0.15/0.25.
@@ -361,6 +360,8 @@ def _instruction_records() -> list[dict]:
 
 
 def _chat_records() -> list[dict]:
+    from specdecode.training.sources_chat import chat_prompts  # it builds on this module's helpers
+
     return [_record("chat", template, subject, text) for template, subject, text in chat_prompts()]
 
 

@@ -4,15 +4,16 @@ Contract: `chat_prompts()` -> [(template, subject, user text)] in a fixed order,
 network. The families are the kinds of request a chat benchmark asks (writing, role-play,
 extraction, STEM and humanities explanations, advice, argument) over subjects listed here; none
 copies a benchmark prompt (`training.prompts` checks every text against the benchmark anyway).
-Extraction items are synthetic records drawn with sha256 of (CHAT_SEED, index, field), so they
-are the same on every platform. The other sources lean on code, documentation and science;
+Extraction items are synthetic records drawn with `sources.hash64(CHAT_SEED, index, field)`, so
+they are the same on every platform. The other sources lean on code, documentation and science;
 this one covers what a chat user writes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+
+from specdecode.training.sources import _groups, hash64
 
 CHAT_SEED = 4242
 NUM_EXTRACTION = 240
@@ -20,10 +21,6 @@ NUM_EXTRACTION = 240
 
 def _lines(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.strip().splitlines() if t.strip())
-
-
-def _groups(text: str) -> tuple[tuple[str, ...], ...]:
-    return tuple(tuple(t.strip() for t in line.split(";")) for line in _lines(text))
 
 
 PLACES = _lines("""
@@ -194,8 +191,7 @@ _ISSUES = ("arrived late", "stopped working after a week", "was smaller than exp
 
 
 def _pick(index: int, field: str, options: tuple):
-    h = int.from_bytes(hashlib.sha256(f"{CHAT_SEED}:{index}:{field}".encode()).digest()[:8], "little")
-    return options[h % len(options)]
+    return options[hash64(CHAT_SEED, index, field) % len(options)]
 
 
 def _extraction(index: int) -> tuple[str, str]:

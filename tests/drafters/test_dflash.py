@@ -109,7 +109,8 @@ def test_inference_cache_and_block_equal_the_training_packing(tiny, trained, reg
     torch.testing.assert_close(got[first:], packed["states"][0, 0], atol=1e-4, rtol=1e-4)
 
 
-def test_confidence_tables_give_the_confidence_head():
+def _random_dspark() -> DSpark:
+    """A tiny DSpark (Vd 50, rank 8) with every parameter drawn from N(0, 1), seeded."""
     torch.manual_seed(0)
     cfg = _tiny_net("dspark").cfg
     cfg.markov_rank = 8
@@ -117,19 +118,18 @@ def test_confidence_tables_give_the_confidence_head():
     with torch.no_grad():
         for p in net.parameters():
             p.normal_()
+    return net
+
+
+def test_confidence_tables_give_the_confidence_head():
+    net = _random_dspark()
     h, prev = torch.randn(6, 32), torch.tensor([0, 3, 49, 50, 7, 7])  # 50 = "outside the draft vocabulary"
     w, row = net.confidence_tables()
     torch.testing.assert_close(h @ w + row[prev], net.confidence_logit(h, prev), rtol=1e-5, atol=1e-5)
 
 
 def test_markov_table_gives_the_markov_head():
-    torch.manual_seed(0)
-    cfg = _tiny_net("dspark").cfg
-    cfg.markov_rank = 8
-    net = DSpark(cfg).eval()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_()
+    net = _random_dspark()
     U, prev = torch.randn(6, 50), torch.tensor([0, 3, 49, 50, 7, 7])  # 50 = "outside the draft vocabulary"
     table = net.markov_table()
     assert table.shape == (51, 50)
