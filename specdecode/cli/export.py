@@ -1,10 +1,13 @@
 """`specdecode export`: a drafter in the layout vLLM or SGLang serves (docs/interop.md).
 
-Contract: `specdecode export [DRAFTER] [--target T --method M] --format speculators|specforge
---out DIR [--verifier NAME_OR_PATH] [--num-speculative-tokens K]`. DRAFTER is a checkpoint
-directory; without it, the drafter shipped for `--target` and `--method` is exported. With
-`--target` the verifier's facts (architectures, its embedding for speculators) are read from
-the target. A method the format cannot express exactly is refused with the reason.
+Contract: `specdecode export [DRAFTER] [--target T --method M]
+--format speculators|specforge|specdecode --out DIR [--verifier NAME_OR_PATH]
+[--num-speculative-tokens K] [--storage bf16|int8]`. DRAFTER is a checkpoint directory; without
+it, the drafter shipped for `--target` and `--method` is exported. With `--target` the verifier's
+facts (architectures, its embedding for speculators) are read from the target. A method the
+format cannot express exactly is refused with the reason. `--format specdecode --storage int8`
+rewrites one of our checkpoints with int8 weight matrices (per-row scales; about half the bytes):
+the format the package's drafters ship in.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ def add_parsers(sub) -> None:
         "--verifier", default=None, help="verifier name or path the served config names (e.g. the hub id)"
     )
     e.add_argument("--num-speculative-tokens", type=int, default=None, help="K the config proposes")
+    e.add_argument(
+        "--storage",
+        default="bf16",
+        choices=("bf16", "int8"),
+        help="--format specdecode: weight matrices in bf16 or int8 with per-row scales (half the bytes)",
+    )
     options.add_dtype(e)
     e.set_defaults(handler=export)
 
@@ -48,5 +57,6 @@ def export(a: argparse.Namespace) -> None:
         verifier_name_or_path=a.verifier,
         target=target,
         num_speculative_tokens=a.num_speculative_tokens,
+        storage=a.storage,
     )
     print(f"wrote {a.format} drafter: {out}")

@@ -1,10 +1,18 @@
 """Drafter checkpoints: a directory with `config.json` and `model.safetensors`.
 
 Contract:
-- `save_checkpoint(out_dir, method, arch, state_dict, target, training=None, dtype=bf16)` writes
-  config.json = {"format": 1, "method", "arch": {architecture fields}, "target": {"name",
-  "fingerprint", "hidden_size", "num_layers", "vocab_size"}, "training": {...}} and the weights
-  (temp files, then rename, config.json last), so a killed save never leaves a loadable half.
+- `save_checkpoint(out_dir, method, arch, state_dict, target, training=None, dtype=bf16,
+  storage="bf16")` writes config.json = {"format": 1, "method", "arch": {architecture fields},
+  "target": {"name", "fingerprint", "hidden_size", "num_layers", "vocab_size"}, "training": {...},
+  "storage"} and the weights (temp files, then rename, config.json last), so a killed save never
+  leaves a loadable half. `write_checkpoint(out_dir, cfg, state_dict, dtype, storage)` is the same
+  write for a config already made (re-storing a checkpoint: `specdecode export --format specdecode`).
+- Storage: "bf16" keeps every floating tensor in `dtype`; "int8" stores each floating matrix of at
+  least `INT8_MIN_NUMEL` elements as int8 rows with one fp32 scale per row (`name` + `SCALE`,
+  symmetric: scale = max|row| / 127), about half of bf16's bytes; the rest stays in `dtype`. A
+  drafter only proposes tokens, so its storage never touches losslessness, only its acceptance.
+- `read_weights(dir)` -> the state dict with int8 matrices dequantized: what every reader
+  of the weights uses, except code that rewrites the stored file as it is (calibration).
 - `load_checkpoint(path, method, target)` -> (arch dict, state dict). It refuses, with the reason
   and what to do: a missing directory or file, another method's checkpoint, and a checkpoint
   trained for another target (fingerprint = target config + tokenizer hash).
@@ -33,6 +41,9 @@ from specdecode.models.formats import BUCKETS
 
 FORMAT = 1
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+STORAGES = ("bf16", "int8")
+INT8_MIN_NUMEL = 1 << 16  # smaller tensors (norms, biases, calibration) keep the float format
+SCALE = ".int8_scale"
 SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 
@@ -47,6 +58,71 @@ def _target_meta(target) -> dict:
     }
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w [R, C] -> (q int8 [R, C], scale fp32 [R]), w ~= q * scale[:, None]."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [R]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]  # [R, C] fp32
+
+
+def _stored(state: dict[str, torch.Tensor], dtype: torch.dtype, storage: str) -> dict[str, torch.Tensor]:
+    if storage not in STORAGES:
+        raise SpecDecodeError(f"unknown weight storage {storage!r}; choose one of {', '.join(STORAGES)}")
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu()
+        if not v.is_floating_point():
+            out[k] = v.contiguous()
+        elif storage == "int8" and v.dim() == 2 and v.numel() >= INT8_MIN_NUMEL:
+            out[k], out[k + SCALE] = quantize_int8(v)
+        else:
+            out[k] = v.to(dtype).contiguous()
+    return out
+
+
+def unpack_weights(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stored state dict with its int8 matrices dequantized into the format of the file's other
+    floating tensors (fp32 when there are none); other tensors as stored."""
+    floats = [v.dtype for k, v in stored.items() if v.is_floating_point() and not k.endswith(SCALE)]
+    dtype = floats[0] if floats else torch.float32
+    return {
+        k: dequantize_int8(v, stored[k + SCALE]).to(dtype) if k + SCALE in stored else v
+        for k, v in stored.items()
+        if not k.endswith(SCALE)
+    }
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    weights = Path(path) / WEIGHTS
+    if not weights.is_file():
+        raise SpecDecodeError(f"{path} has no {WEIGHTS}")
+    return unpack_weights(load_file(str(weights)))
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: dict,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+    storage: str = "bf16",
+) -> Path:
+    out = Path(out_dir)
+    tensors = _stored(state_dict, dtype, storage)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {**cfg, "storage": storage}
+    (out / CONFIG).unlink(missing_ok=True)  # loadable only once both files are complete
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    (out / (CONFIG + ".tmp")).write_text(json.dumps(cfg, indent=2))
+    os.replace(out / (CONFIG + ".tmp"), out / CONFIG)
+    return out
+
+
 def save_checkpoint(
     out_dir: str | Path,
     method: str,
@@ -55,13 +131,8 @@ def save_checkpoint(
     target,  # LoadedModel
     training: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    storage: str = "bf16",
 ) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
-        for k, v in state_dict.items()
-    }
     cfg = {
         "format": FORMAT,
         "method": method,
@@ -69,12 +140,7 @@ def save_checkpoint(
         "target": _target_meta(target),
         "training": training or {},
     }
-    (out / CONFIG).unlink(missing_ok=True)  # loadable only once both files are complete
-    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
-    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
-    (out / (CONFIG + ".tmp")).write_text(json.dumps(cfg, indent=2))
-    os.replace(out / (CONFIG + ".tmp"), out / CONFIG)
-    return out
+    return write_checkpoint(out_dir, cfg, state_dict, dtype, storage)
 
 
 def is_checkpoint(path) -> bool:
@@ -125,10 +191,7 @@ def load_checkpoint(path: str | Path, method: str, target) -> tuple[dict, dict[s
             f"{path} holds a {cfg['method']!r} drafter, not {method!r}; use --method {cfg['method']}"
         )
     check_target(cfg, target, str(path))
-    weights = Path(path) / WEIGHTS
-    if not weights.is_file():
-        raise SpecDecodeError(f"{path} has no {WEIGHTS}")
-    return cfg["arch"], load_file(str(weights))
+    return cfg["arch"], read_weights(path)
 
 
 def shipped_drafter(method: str, target) -> Path | None:

@@ -8,7 +8,8 @@ Contract (docs/interop.md has the formats, the conventions and what refuses why)
   `qk_norm` and `mask_token_id` export to speculators (dflash_family.py); other DFlash-family
   checkpoints are refused naming the missing option. No target is loaded: `target` (a
   LoadedModel) is optional and only adds the verifier's facts and, for speculators, the embedding
-  (EAGLE-3) or the head rows (DFlash family) to the output.
+  (EAGLE-3) or the head rows (DFlash family) to the output. "specdecode" writes our own layout
+  again with `storage` ("bf16" or "int8", drafters/checkpoint.py): the format drafters ship in.
 - `detect_layout(path) -> str | None`: "specdecode", "speculators", "zlab-dflash",
   "specforge-eagle3" or None, from the directory's config.json alone.
 - `import_drafter(path, target) -> (method, arch, state)`: our method name ("eagle", "dflash" or
@@ -26,16 +27,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from specdecode.drafters.checkpoint import WEIGHTS, load_checkpoint, read_config, save_checkpoint
+from specdecode.drafters.checkpoint import (
+    load_checkpoint,
+    read_config,
+    read_weights,
+    save_checkpoint,
+    write_checkpoint,
+)
 from specdecode.errors import SpecDecodeError
-from specdecode.interop import specforge, speculators, zlab
-from specdecode.interop.common import read_json, read_weights, verifier_facts
+from specdecode.interop import common, specforge, speculators, zlab
+from specdecode.interop.common import read_json, verifier_facts
 
 __all__ = ["FORMATS", "detect_layout", "export_drafter", "import_drafter", "write_native"]
 
-FORMATS = ("speculators", "specforge")  # export formats
+FORMATS = ("speculators", "specforge", "specdecode")  # export formats
 
 
 def detect_layout(path) -> str | None:
@@ -62,6 +68,7 @@ def export_drafter(
     verifier_name_or_path: str | None = None,
     target=None,  # LoadedModel, optional
     num_speculative_tokens: int | None = None,
+    storage: str = "bf16",
 ) -> Path:
     if fmt not in FORMATS:
         raise SpecDecodeError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -70,12 +77,17 @@ def export_drafter(
     if target is not None and cfg["target"].get("fingerprint") != target.fingerprint:
         raise SpecDecodeError(f"{src} was trained for {cfg['target'].get('name')!r}, not for {target.name!r}")
 
-    if not (src / WEIGHTS).is_file():
-        raise SpecDecodeError(f"{src} has no {WEIGHTS}")
-    state = load_file(str(src / WEIGHTS))
+    if storage != "bf16" and fmt != "specdecode":
+        raise SpecDecodeError(
+            f"--storage {storage} is for --format specdecode; vLLM and SGLang read float weights"
+        )
+    state = read_weights(src)
     out = Path(out_dir)
     if out.resolve() == src.resolve():
         raise SpecDecodeError("the export directory must differ from the checkpoint directory")
+    if fmt == "specdecode":
+        floats = [v.dtype for v in state.values() if v.is_floating_point()]
+        return write_checkpoint(out, cfg, state, floats[0] if floats else torch.bfloat16, storage)
     if fmt == "speculators":
         return speculators.export(cfg, state, out, verifier_name_or_path, target, num_speculative_tokens)
     facts = None
@@ -99,7 +111,7 @@ def import_drafter(path, target) -> tuple[str, dict, dict[str, torch.Tensor]]:
         method = read_config(p)["method"]
         arch, state = load_checkpoint(p, method, target)
         return method, arch, state
-    cfg, state = read_json(p / "config.json"), read_weights(p)
+    cfg, state = read_json(p / "config.json"), common.read_weights(p)
     module = {"speculators": speculators, "zlab-dflash": zlab, "specforge-eagle3": specforge}[layout]
     return module.import_(p, cfg, state, target)
 

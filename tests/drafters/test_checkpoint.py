@@ -1,0 +1,74 @@
+"""Drafter checkpoints: int8 weight storage (per-row scales) halves the bytes, loads back within half
+a quantization step, and an int8 drafter stays lossless in the real loop."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specdecode.drafters import build_drafter, checkpoint
+from specdecode.drafters.ar import ARDrafter
+from specdecode.drafters.checkpoint import (
+    SCALE,
+    dequantize_int8,
+    quantize_int8,
+    read_weights,
+    save_checkpoint,
+)
+from specdecode.errors import SpecDecodeError
+from specdecode.interop import export_drafter
+from tests.drafters.test_learned import _decode, _prompts
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g) * torch.logspace(-3, 1, 64)[:, None]  # rows of every scale
+    w[5] = 0.0
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,)
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] * 0.5 + 1e-7).all()
+    assert (dequantize_int8(q, scale)[5] == 0).all()
+    # each row uses the full range: its largest entry maps to +-127
+    assert (q.abs().amax(dim=1)[torch.arange(64) != 5] == 127).all()
+
+
+def test_int8_storage_halves_the_file_and_loads_back(tiny, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "big.weight": torch.randn(300, 256, generator=g),  # >= INT8_MIN_NUMEL: stored as int8
+        "norm.weight": torch.randn(256, generator=g),  # small: stays bf16
+        "ids": torch.arange(10),
+    }
+    a = save_checkpoint(tmp_path / "bf16", "eagle", {}, state, tiny)
+    b = save_checkpoint(tmp_path / "int8", "eagle", {}, state, tiny, storage="int8")
+    assert (b / "model.safetensors").stat().st_size < 0.6 * (a / "model.safetensors").stat().st_size
+    assert json.loads((b / "config.json").read_text())["storage"] == "int8"
+    with safe_open(str(b / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("big.weight").dtype == torch.int8 and "big.weight" + SCALE in f.keys()
+    wa, wb = read_weights(a), read_weights(b)
+    assert set(wb) == set(state)  # the scales are not part of the state dict
+    assert torch.equal(wa["norm.weight"], wb["norm.weight"]) and torch.equal(wb["ids"], state["ids"])
+    assert wb["big.weight"].dtype == torch.bfloat16  # dequantized into the file's float format
+    step = state["big.weight"].abs().amax(dim=1, keepdim=True) / 127
+    w = state["big.weight"]
+    assert ((wb["big.weight"].float() - w).abs() <= step * 0.5 + w.abs() * 2**-8 + 1e-6).all()  # + bf16
+    with pytest.raises(SpecDecodeError, match="unknown weight storage"):
+        save_checkpoint(tmp_path / "x", "eagle", {}, state, tiny, storage="int4")
+
+
+@pytest.mark.parametrize("method", ["eagle", "dspark"])
+def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "INT8_MIN_NUMEL", 1)  # the tiny drafter's matrices are small
+    src, _ = trained(method)
+    out = export_drafter(src, tmp_path / "int8", fmt="specdecode", storage="int8")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert any(f.get_tensor(k).dtype == torch.int8 for k in f.keys())
+    prompts = _prompts(tiny.tokenizer)
+    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    sd = _decode(tiny, build_drafter(method, tiny, str(out)), 3, prompts)
+    assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+    assert sum(r.tau for r in sd) / len(sd) > 1.2  # still a drafter, not noise
+    with pytest.raises(SpecDecodeError, match="--format specdecode"):
+        export_drafter(src, tmp_path / "s", fmt="speculators", storage="int8")
