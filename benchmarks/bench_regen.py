@@ -8,6 +8,12 @@ the tail where the batch drains included). With `--profile`, the last setting ru
 under torch.profiler and its time is split into the products (linear layers and the head),
 attention, sampling and the rest.
 
+The ceiling column is what the machine's read bandwidth allows for the same answers: a step of
+`batch` rows reads the weights once and each row's keys and values (every earlier position of
+its prompt and answer), so tokens/s <= bandwidth * tokens / (tokens / batch * weight bytes +
+sum over generated tokens of context * KV bytes per position). At batch 64 the KV reads of a
+135M-parameter target outweigh its weights: that, not the products, bounds regeneration.
+
 Usage: OMP_NUM_THREADS=2 python benchmarks/bench_regen.py --target smollm2-135m \
            --data runs/data/prompts --batch-sizes 16,64 --kv-cache-dtypes fp32,bf16 --profile \
            --out benchmarks/results/regen-smollm2-135m-amx
@@ -22,9 +28,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specdecode.bench.hardware import machine_info
+from specdecode.bench.hardware import machine_info, measure_read_bandwidth, weight_bytes
 from specdecode.models.loader import load_model
 from specdecode.training.regen import regenerate
 
@@ -41,6 +48,23 @@ def _group(name: str) -> str:
         if any(k in low for k in keys):
             return group
     return "rest"
+
+
+def _context_sum(out: Path) -> int:
+    """Sum over generated tokens of the positions their step attends to (prompt + earlier answer)."""
+    total = 0
+    for line in (out / "train.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        a = sum(r["loss_mask"])
+        p = len(r["input_ids"]) - a
+        total += a * p + a * (a - 1) // 2
+    return total
+
+
+def _kv_bytes_per_position(target, kv: str) -> int:
+    info = target.model.info
+    size = 2 if kv == "bf16" else 4 if kv == "fp32" else torch.empty(0, dtype=info.dtype).element_size()
+    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * size
 
 
 def _run(target, args, batch: int, out: Path) -> dict:
@@ -72,6 +96,7 @@ def _profile(target, args, batch: int, out: Path) -> dict:
 
 def bench(args) -> dict:
     rows, prof = [], None
+    bandwidth = measure_read_bandwidth()
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     try:
         for kv in args.kv_cache_dtypes.split(","):
@@ -82,6 +107,9 @@ def bench(args) -> dict:
                 )
                 _run(target, warm, batch, work / "warm")
                 s = _run(target, args, batch, work / "run")
+                read = s["tokens"] / batch * weight_bytes(target.model)
+                read += _context_sum(work / "run") * _kv_bytes_per_position(target, kv)
+                ceiling = bandwidth * s["tokens"] / read
                 rows.append(
                     {
                         "kv_cache_dtype": kv,
@@ -91,6 +119,7 @@ def bench(args) -> dict:
                         "seconds": round(s["seconds"], 1),
                         "answers_per_s": round(s["answers"] / s["seconds"], 2),
                         "tokens_per_s": round(s["tokens"] / s["seconds"], 1),
+                        "ceiling_tokens_per_s": round(ceiling, 1),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -103,7 +132,8 @@ def bench(args) -> dict:
                 print(json.dumps(prof), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"machine": machine_info(), "settings": vars(args), "rows": rows, "profile": prof}
+    info = {**machine_info(), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
+    return {"machine": info, "settings": vars(args), "rows": rows, "profile": prof}
 
 
 def report(res: dict) -> str:
@@ -115,13 +145,17 @@ def report(res: dict) -> str:
         f"{s['num_prompts']} training prompts x {s['samples']} samples, "
         f"T 0.7, up to {s['max_new_tokens']} new tokens, weights `--dtype {s['dtype']}`.",
         "",
-        "| KV cache | batch | answers | tokens | seconds | answers/s | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        f"Read bandwidth measured here {m['read_bandwidth_gb_s']} GB/s.",
+        "",
+        "| KV cache | batch | answers | tokens | seconds | answers/s | tokens/s | ceiling tokens/s "
+        "| x ceiling |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['kv_cache_dtype']} | {r['batch_size']} | {r['answers']} | {r['tokens']} | {r['seconds']} "
-            f"| {r['answers_per_s']} | {r['tokens_per_s']} |"
+            f"| {r['answers_per_s']} | {r['tokens_per_s']} | {r['ceiling_tokens_per_s']} "
+            f"| {r['tokens_per_s'] / r['ceiling_tokens_per_s']:.2f} |"
         )
     p = res["profile"]
     if p:
