@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specdecode.build import LoadOptions, build
-from specdecode.drafters.checkpoint import SHIPPED_ROOT, save_checkpoint
+from specdecode.drafters.checkpoint import SHIPPED_ROOT, read_weights, save_checkpoint
 from specdecode.drafters.dflash.model import DFlash, DFlashConfig, t2d_table
 from specdecode.drafters.dspark.model import DSpark
 from specdecode.errors import SpecDecodeError
@@ -194,10 +194,11 @@ def test_checkpoints_without_the_options_keep_their_layer(tiny, tmp_path):
     assert not net.cfg.qk_norm and net.cfg.mask_token_id is None
     keys = set(net.state_dict())
     assert "mask_emb" in keys and not any("q_norm" in k or "k_norm" in k for k in keys)
+    assert keys == set(read_weights(src))  # the old checkpoint's own weights fit it
     shipped = json.loads((SHIPPED_ROOT / "smollm2-135m-dflash" / "config.json").read_text())["arch"]
-    assert "qk_norm" not in shipped  # the shipped drafters predate the options and load unchanged
+    assert shipped["qk_norm"]  # the shipped DFlash has the published layer (exportable)
     assert set(DFlash(DFlashConfig.from_json(shipped)).state_dict()) == set(
-        load_file(str(SHIPPED_ROOT / "smollm2-135m-dflash" / "model.safetensors"))
+        read_weights(SHIPPED_ROOT / "smollm2-135m-dflash")
     )
     with pytest.raises(SpecDecodeError, match="mask_token_id 9999 is not a row"):
         DFlashConfig.from_json({**old, "mask_token_id": 9999})

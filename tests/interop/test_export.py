@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
-from specdecode.drafters.checkpoint import SHIPPED_ROOT
+from specdecode.drafters.checkpoint import SHIPPED_ROOT, read_weights
 from specdecode.drafters.eagle import load_eagle
 from specdecode.drafters.eagle.model import Eagle3, EagleConfig, ttt_forward
 from specdecode.errors import SpecDecodeError
@@ -35,7 +35,7 @@ def test_speculators_layout_of_the_shipped_eagle(tmp_path):
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 4
     assert sc["verifier"] == {"name_or_path": HUB_ID, "architectures": ["LlamaForCausalLM"]}
-    w, src = load_file(str(out / "model.safetensors")), load_file(str(EAGLE / "model.safetensors"))
+    w, src = load_file(str(out / "model.safetensors")), read_weights(EAGLE)  # int8 stored: dequantized
     assert w["layers.0.self_attn.q_proj.weight"].shape == (576, 2 * 576)
     assert w["fc.weight"].shape == (576, 3 * 576)
     assert "embed_tokens.weight" not in w  # vLLM shares the target's embedding
@@ -53,11 +53,15 @@ def test_specforge_layout_of_the_shipped_eagle(tmp_path):
     assert "midlayer.hidden_norm.weight" in load_file(str(out / "model.safetensors"))
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "specforge"])
-def test_shipped_dflash_predates_the_published_layer_and_is_refused(tmp_path, fmt):
-    with pytest.raises(SpecDecodeError, match="q_norm / k_norm") as e:
-        export_drafter(SHIPPED_ROOT / "smollm2-135m-dflash", tmp_path / "x", fmt=fmt)
-    assert "mask_token_id" in str(e.value) and not (tmp_path / "x").exists()
+def test_shipped_dflash_exports_to_speculators_only(tmp_path):
+    """The shipped DFlash has the published layer (q/k norms, a mask token): speculators takes it;
+    SpecForge has no DFlash layout and refuses it without writing anything."""
+    out = export_drafter(SHIPPED_ROOT / "smollm2-135m-dflash", tmp_path / "x")
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash"
+    assert "layers.0.self_attn.q_norm.weight" in load_file(str(out / "model.safetensors"))
+    with pytest.raises(SpecDecodeError):
+        export_drafter(SHIPPED_ROOT / "smollm2-135m-dflash", tmp_path / "y", fmt="specforge")
+    assert not (tmp_path / "y").exists()
 
 
 def test_shipped_dspark_exports_to_speculators_only(tmp_path):

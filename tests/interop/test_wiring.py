@@ -39,13 +39,18 @@ def test_a_foreign_drafter_for_another_method_is_refused(tiny, specforge_dir):
         build(LoadOptions(target=tiny, method="dflash", drafter=str(specforge_dir(eagle_config=LAYERS))))
 
 
-def test_cli_export_writes_speculators_and_refuses_dflash(tmp_path, capsys):
+def test_cli_export_writes_speculators_and_int8_and_refuses_clearly(tmp_path, capsys):
     ok = ["export", "--target", "smollm2-135m", "--method", "eagle", "--out", str(tmp_path / "e")]
     assert main(ok) == 0
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and (tmp_path / "e" / "model.safetensors").is_file()
     refused = ["export", "--target", "smollm2-135m", "--method", "dflash", "--out", str(tmp_path / "d")]
-    assert main(refused) == 2
-    assert "q_norm" in capsys.readouterr().err
+    assert main([*refused, "--format", "specforge"]) == 2  # SpecForge has no DFlash layout
+    assert not (tmp_path / "d").exists()
+    assert main([*refused, "--storage", "int8"]) == 2  # int8 is our own layout only
+    assert "--format specdecode" in capsys.readouterr().err
+    again = ["export", "--target", "smollm2-135m", "--method", "eagle", "--format", "specdecode"]
+    assert main([*again, "--storage", "int8", "--out", str(tmp_path / "n")]) == 0
+    assert json.loads((tmp_path / "n" / "config.json").read_text())["storage"] == "int8"
     assert main(["export", "--out", str(tmp_path / "x")]) == 2
     assert "--target and --method" in capsys.readouterr().err
