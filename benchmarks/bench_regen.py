@@ -61,9 +61,10 @@ def _context_sum(out: Path) -> int:
     return total
 
 
-def _kv_bytes_per_position(target, kv: str) -> int:
+def _kv_bytes_per_position(target) -> int:
     info = target.model.info
-    size = 2 if kv == "bf16" else 4 if kv == "fp32" else torch.empty(0, dtype=info.dtype).element_size()
+    dtype = getattr(target.model, "kv_dtype", None) or info.dtype  # what the native cache holds
+    size = torch.empty(0, dtype=dtype).element_size()
     return 2 * info.num_layers * info.num_kv_heads * info.head_dim * size
 
 
@@ -97,18 +98,19 @@ def _profile(target, args, batch: int, out: Path) -> dict:
 def bench(args) -> dict:
     rows, prof = [], None
     bandwidth = measure_read_bandwidth()
+    kvs, batches = args.kv_cache_dtypes.split(","), [int(b) for b in args.batch_sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     try:
-        for kv in args.kv_cache_dtypes.split(","):
+        for kv in kvs:
             target = load_model(args.target, dtype=args.dtype, kv_cache_dtype=kv)
-            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            for batch in batches:
                 warm = argparse.Namespace(
                     **{**vars(args), "num_prompts": 4, "samples": 1, "max_new_tokens": 16}
                 )
                 _run(target, warm, batch, work / "warm")
                 s = _run(target, args, batch, work / "run")
                 read = s["tokens"] / batch * weight_bytes(target.model)
-                read += _context_sum(work / "run") * _kv_bytes_per_position(target, kv)
+                read += _context_sum(work / "run") * _kv_bytes_per_position(target)
                 ceiling = bandwidth * s["tokens"] / read
                 rows.append(
                     {
@@ -123,7 +125,7 @@ def bench(args) -> dict:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            if args.profile and kv == args.kv_cache_dtypes.split(",")[-1]:
+            if args.profile and kv == kvs[-1]:
                 prof = {
                     "kv_cache_dtype": kv,
                     "batch_size": batch,
@@ -186,8 +188,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
-    out.with_suffix(".md").write_text(report(res))
-    print(report(res))
+    text = report(res)
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Contract:
   drafter only proposes tokens, so its storage never touches losslessness, only its acceptance.
 - `read_weights(dir)` -> the state dict with int8 matrices dequantized: what every reader
   of the weights uses, except code that rewrites the stored file as it is (calibration).
+  `float_dtype(state, default)` -> the format of a state dict's floating tensors (scales aside).
 - `load_checkpoint(path, method, target)` -> (arch dict, state dict). It refuses, with the reason
   and what to do: a missing directory or file, another method's checkpoint, and a checkpoint
   trained for another target (fingerprint = target config + tokenizer hash).
@@ -85,11 +86,16 @@ def _stored(state: dict[str, torch.Tensor], dtype: torch.dtype, storage: str) ->
     return out
 
 
+def float_dtype(state: dict[str, torch.Tensor], default: torch.dtype) -> torch.dtype:
+    """The dtype of the first floating tensor of `state` (int8 scales aside), else `default`."""
+    floats = (v.dtype for k, v in state.items() if v.is_floating_point() and not k.endswith(SCALE))
+    return next(floats, default)
+
+
 def unpack_weights(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A stored state dict with its int8 matrices dequantized into the format of the file's other
     floating tensors (fp32 when there are none); other tensors as stored."""
-    floats = [v.dtype for k, v in stored.items() if v.is_floating_point() and not k.endswith(SCALE)]
-    dtype = floats[0] if floats else torch.float32
+    dtype = float_dtype(stored, torch.float32)
     return {
         k: dequantize_int8(v, stored[k + SCALE]).to(dtype) if k + SCALE in stored else v
         for k, v in stored.items()

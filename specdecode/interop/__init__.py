@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.checkpoint import (
+    float_dtype,
     load_checkpoint,
     read_config,
     read_weights,
@@ -86,8 +87,7 @@ def export_drafter(
     if out.resolve() == src.resolve():
         raise SpecDecodeError("the export directory must differ from the checkpoint directory")
     if fmt == "specdecode":
-        floats = [v.dtype for v in state.values() if v.is_floating_point()]
-        return write_checkpoint(out, cfg, state, floats[0] if floats else torch.bfloat16, storage)
+        return write_checkpoint(out, cfg, state, float_dtype(state, torch.bfloat16), storage)
     if fmt == "speculators":
         return speculators.export(cfg, state, out, verifier_name_or_path, target, num_speculative_tokens)
     facts = None
@@ -118,7 +118,6 @@ def import_drafter(path, target) -> tuple[str, dict, dict[str, torch.Tensor]]:
 
 def write_native(path, target, out_dir) -> Path:
     method, arch, state = import_drafter(path, target)
-    floats = [v.dtype for v in state.values() if v.is_floating_point()]
-    dtype = floats[0] if floats else torch.bfloat16
     training = {"imported_from": {"path": str(Path(path).resolve()), "layout": detect_layout(path)}}
+    dtype = float_dtype(state, torch.bfloat16)
     return save_checkpoint(out_dir, method, arch, state, target, training=training, dtype=dtype)
