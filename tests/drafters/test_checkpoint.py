@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from fakes import decode_fixed_k, short_prompts
 from safetensors import safe_open
 
 from specdecode.drafters import build_drafter, checkpoint
@@ -18,7 +19,6 @@ from specdecode.drafters.checkpoint import (
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import export_drafter
-from tests.drafters.test_learned import _decode, _prompts
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -65,9 +65,9 @@ def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, tmp
     out = export_drafter(src, tmp_path / "int8", fmt="specdecode", storage="int8")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert any(f.get_tensor(k).dtype == torch.int8 for k in f.keys())
-    prompts = _prompts(tiny.tokenizer)
-    ar = _decode(tiny, ARDrafter(), 0, prompts)
-    sd = _decode(tiny, build_drafter(method, tiny, str(out)), 3, prompts)
+    prompts = short_prompts(tiny.tokenizer)
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
+    sd = decode_fixed_k(tiny, build_drafter(method, tiny, str(out)), 3, prompts)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
     assert sum(r.tau for r in sd) / len(sd) > 1.2  # still a drafter, not noise
     with pytest.raises(SpecDecodeError, match="--format specdecode"):

@@ -5,6 +5,7 @@ import collections
 import json
 
 import pytest
+from fakes import decode_fixed_k, short_prompts
 from scipy.stats import chi2_contingency
 
 from specdecode.config import SamplingParams
@@ -17,22 +18,6 @@ from specdecode.drafters.mtp import load_mtp
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
-
-
-def _decode(target, drafter, k, prompts, params=None, max_batch=8, max_new=32, seed=0):
-    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=max_batch)
-    reqs = [
-        GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
-        for i, p in enumerate(prompts)
-    ]
-    return dec.generate(reqs)
-
-
-def _prompts(tok):
-    return [
-        tok(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello", "tell me about the sea")
-    ]
-
 
 CASES = [
     ("eagle", False),
@@ -59,10 +44,10 @@ def _drafter(method, trained, target, tree=False):
 
 @pytest.mark.parametrize(("method", "tree"), CASES)
 def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
-    prompts = _prompts(tiny.tokenizer)
-    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    prompts = short_prompts(tiny.tokenizer)
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     k = 10 if tree else 3
-    sd = _decode(tiny, _drafter(method, trained, tiny, tree), k, prompts)
+    sd = decode_fixed_k(tiny, _drafter(method, trained, tiny, tree), k, prompts)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
     assert sum(r.tau for r in sd) / len(sd) > 1.2  # it really drafts and is accepted
 
@@ -72,8 +57,8 @@ def test_a_prompt_read_while_others_decode_rides_and_stays_exact(tiny, trained, 
     """Two slots, three requests: the third is admitted when the short first one ends, and its
     prompt rides in the second one's decode steps (its hidden states captured there). Greedy
     tokens stay those of ar, and the rider drafts as it does alone."""
-    prompts = _prompts(tiny.tokenizer)
-    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    prompts = short_prompts(tiny.tokenizer)
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     rode = []
     real = type(tiny.model).forward_segments
 
@@ -94,18 +79,22 @@ def test_a_prompt_read_while_others_decode_rides_and_stays_exact(tiny, trained, 
     assert sd[0].token_ids == ar[0].token_ids[:6]
     assert [r.token_ids for r in sd[1:]] == [r.token_ids for r in ar[1:]]
     # The rider's drafter started from the states captured in those steps: it drafts as alone.
-    alone = _decode(tiny, _drafter(method, trained, tiny, tree), 10 if tree else 3, prompts[2:], seed=2)[0]
+    alone = decode_fixed_k(
+        tiny, _drafter(method, trained, tiny, tree), 10 if tree else 3, prompts[2:], seed=2
+    )[0]
     assert sd[2].accepted_per_position == alone.accepted_per_position and alone.tau > 1
 
 
 @pytest.mark.parametrize(("method", "tree"), CASES)
 def test_sampled_batch_equals_single_and_matches_ar_distribution(tiny, trained, method, tree):
-    prompts = _prompts(tiny.tokenizer)
+    prompts = short_prompts(tiny.tokenizer)
     params = SamplingParams(temperature=1.0, top_k=20)
     k = 10 if tree else 3
-    batched = _decode(tiny, _drafter(method, trained, tiny, tree), k, prompts, params=params, max_batch=3)
+    batched = decode_fixed_k(
+        tiny, _drafter(method, trained, tiny, tree), k, prompts, params=params, max_batch=3
+    )
     singles = [
-        _decode(tiny, _drafter(method, trained, tiny, tree), k, [p], params=params, seed=i)[0]
+        decode_fixed_k(tiny, _drafter(method, trained, tiny, tree), k, [p], params=params, seed=i)[0]
         for i, p in enumerate(prompts)
     ]
     if not tree:
@@ -117,7 +106,9 @@ def test_sampled_batch_equals_single_and_matches_ar_distribution(tiny, trained, 
     params = SamplingParams(temperature=1.0, top_k=6)
 
     def draw(drafter, k, base):
-        res = _decode(tiny, drafter, k, [prompt] * n, params=params, max_batch=64, max_new=2, seed=base)
+        res = decode_fixed_k(
+            tiny, drafter, k, [prompt] * n, params=params, max_batch=64, max_new=2, seed=base
+        )
         return collections.Counter(tuple(r.token_ids) for r in res)
 
     ar, sd = draw(ARDrafter(), 0, 0), draw(_drafter(method, trained, tiny, tree), k, 10**6)
