@@ -31,8 +31,10 @@ def _check_against_hf(model, ref, num_prompt=9, num_decode=5, capture_layers=(0,
     out = model.forward(ids[:, :num_prompt], None, cache, [1], capture=(*capture_layers, last, -1))
     torch.testing.assert_close(out.logits, r.logits[:, :num_prompt], atol=ATOL, rtol=0)
     for i in capture_layers:  # layer i < last is transformers' hidden_states[i + 1]
+        # the residual stream grows with depth, and so does the fp32 summation-order difference
+        # between two kernel libraries (4.9e-5 relative at layer 14 on an AVX-512 EPYC)
         torch.testing.assert_close(
-            out.hidden[i], r.hidden_states[i + 1][:, :num_prompt], atol=ATOL, rtol=1e-5
+            out.hidden[i], r.hidden_states[i + 1][:, :num_prompt], atol=ATOL, rtol=1e-4
         )
     # transformers' last entry is the final normed state (our -1); our `last` is the raw layer output
     torch.testing.assert_close(out.hidden[-1], r.hidden_states[-1][:, :num_prompt], atol=ATOL, rtol=0)
