@@ -16,6 +16,8 @@ Contract:
   - `bf16-amx`: bf16 weights and activations (x rounded to bf16 per product), fp32
     accumulation, on AMX tiles (`models/kernels/amx.cpp`): up to 16 rows cost what one costs;
     absent where the CPU or the OS gives no AMX;
+  - `bf16-dp`: the same arithmetic on AVX512-BF16 dot-product instructions
+    (`models/kernels/bf16dp.cpp`), for CPUs that have those but no AMX; absent elsewhere;
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
     asymmetric), PyTorch's own CPU kernels. They change the model: never chosen by `auto`.
 * A `FormatPlan` maps the number of rows M of a product to a kernel: bucket i covers
@@ -56,7 +58,7 @@ from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
 LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
-AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx")
+AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx", "bf16-dp")
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
@@ -197,6 +199,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     "bf16w": _ours("bf16w", "bf16w_pack", "bf16w_linear"),  # packed [ceil(out/16), in, 16]
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
+    "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # the AMX layout
     "int8": _int8,
     "int4": _int4,
 }

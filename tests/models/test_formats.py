@@ -21,7 +21,8 @@ from specdecode.policy import FixedK
 
 # Relative error of each kernel against an fp32 product (weights ~N(0, 1), 128 inputs).
 TOLERANCE = {"fp32": 1e-5, "fp32-mkl": 1e-5, "fp32-onednn": 1e-5, "bf16": 2e-2, "bf16-up": 2e-2,
-             "bf16-onednn": 2e-2, "bf16w": 2e-2, "bf16-amx": 2e-2, "int8": 2e-2, "int4": 0.2}  # fmt: skip
+             "bf16-onednn": 2e-2, "bf16w": 2e-2, "bf16-amx": 2e-2, "bf16-dp": 2e-2, "int8": 2e-2,
+             "int4": 0.2}  # fmt: skip
 
 
 def _available(name, w, b):

@@ -1,7 +1,7 @@
 """Our compiled CPU kernels: bf16w computes x @ w.T + b in fp32 arithmetic from bf16 weights, and
-bf16amx the product of bf16-rounded x and bf16 weights accumulated in fp32 (where AMX runs), at
-every shape their tiles cut differently (row and column remainders, K not a multiple of the
-tile)."""
+bf16amx (where AMX runs) and bf16dp (where AVX512-BF16 runs) the product of bf16-rounded x and
+bf16 weights accumulated in fp32, at every shape their tiles cut differently (row and column
+remainders, K not a multiple of the tile)."""
 
 from __future__ import annotations
 
@@ -60,27 +60,31 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
         ops.bf16w_linear(x[:, :32], packed, 12, None)
 
 
-@pytest.fixture(scope="module")
-def amx(ops):
+@pytest.fixture(scope="module", params=["bf16amx", "bf16dp"])
+def pairs(request, ops):
+    """(pack, linear, name) of a kernel that multiplies bf16 pairs, where this CPU runs it."""
+    name = request.param
+    pack, linear = getattr(ops, f"{name}_pack"), getattr(ops, f"{name}_linear")
     try:
-        ops.bf16amx_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
-    except RuntimeError as e:  # no AMX on this CPU, or the OS refused the tiles
-        pytest.skip(f"AMX is not available here: {str(e)[:80]}")
-    return ops
+        pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError as e:  # no AMX / AVX512-BF16 on this CPU, or the OS refused the tiles
+        pytest.skip(f"{name} is not available here: {str(e)[:80]}")
+    return pack, linear, name
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 40, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 15, 16, 17, 40, 64])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (130, 576)])
-def test_bf16amx_is_the_product_of_bf16_inputs_accumulated_in_fp32(amx, m, n, k):
-    # x rounded to bf16, exact products; rows alone as in any block of rows (from m = 32 on, the
-    # first 32 rows run as a pair of 16-row chunks: row m // 2 lies in the second one)
+def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, m, n, k):
+    # x rounded to bf16, exact products; rows alone as in any block of rows (bf16amx: from m = 32
+    # on, the first 32 rows run as a pair of 16-row chunks, row m // 2 in the second one;
+    # bf16dp: chunks of 8 rows)
+    pack, linear, name = pairs
     x, packed = _check_product(
-        amx.bf16amx_pack, amx.bf16amx_linear, m, n, k, lambda x: x.to(torch.bfloat16),
-        rows_alone=(0, m // 2, m - 1),
-    )  # fmt: skip
+        pack, linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m // 2, m - 1)
+    )
     if k > 64:  # x from another shape is refused (K is known to within one tile of 32)
-        with pytest.raises(RuntimeError, match="bf16amx_pack"):
-            amx.bf16amx_linear(x[:, : k // 2], packed, n, None)
+        with pytest.raises(RuntimeError, match=f"{name}_pack"):
+            linear(x[:, : k // 2], packed, n, None)
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

@@ -8,6 +8,9 @@ Contract:
   - the AMX product of `amx.cpp`: `bf16amx_pack(w [N, K] bf16)` once (raises where the CPU or
     the OS gives no AMX tiles), then `bf16amx_linear(x [M, K] fp32, packed, N, bias | None)`
     (x rounded to bf16, bf16 x bf16 products accumulated in fp32);
+  - the AVX512-BF16 product of `bf16dp.cpp`: `bf16dp_pack(w [N, K] bf16)` once (raises on a
+    CPU without AVX512-BF16), then `bf16dp_linear(x [M, K] fp32, packed, N, bias | None)`
+    (the AMX product's arithmetic and weight layout, on vector dot-product instructions);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
     `attention`; contracts in that file).
   Each computes a row the same way whatever the number of rows.
@@ -33,7 +36,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp")
+SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp")
+HEADERS = ("bf16_pairs.h",)  # included by amx.cpp and bf16dp.cpp
 unavailable: dict[str, str] = {}
 
 
@@ -48,7 +52,7 @@ def _cpu_runs_avx2_fma() -> bool:
 
 def source_tag() -> str:
     """Hash of the kernels' sources: part of every cache key that timed them."""
-    return hashlib.sha256(b"".join((HERE / s).read_bytes() for s in SOURCES)).hexdigest()[:12]
+    return hashlib.sha256(b"".join((HERE / s).read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:12]
 
 
 @cache

@@ -24,11 +24,17 @@
 #include <torch/extension.h>
 #include <unistd.h>
 
+#include "bf16_pairs.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+using specdecode_kernels::is_pairs_of;
+using specdecode_kernels::pack_pairs;
+using specdecode_kernels::round_rows;
 
 constexpr int64_t TN = 16;  // outputs per block (tile columns of C, 16 fp32)
 constexpr int64_t TK = 32;  // inputs per block (tile row of A: 32 bf16 = 64 bytes)
@@ -144,63 +150,23 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass2(const uint16_t* xa,
 
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even (NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// x[0, n) -> bf16 (nearest even), 16 at a time with AVX512-BF16 (every AMX CPU has it)
-__attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_row(const float* x, uint16_t* y,
-                                                                       int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) y[i] = to_bf16(x[i]);
-}
 
 }  // namespace
 
 torch::Tensor amx_pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w must be [N, K] bfloat16");
   TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process (no AMX, or the OS refused)");
-  const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  const int64_t ng = (N + NB * TN - 1) / (NB * TN), kb_n = (K + TK - 1) / TK;
-  auto P = torch::zeros({ng, kb_n, NB, TK / 2, TN, 2}, wc.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(P.data_ptr<at::BFloat16>());
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t blk = ((n / (NB * TN)) * kb_n + k / TK) * NB + (n / TN) % NB, kk = k % TK;
-      dst[blk * TK * TN + (kk / 2) * TN * 2 + (n % TN) * 2 + kk % 2] = src[n * K + k];
-    }
-  return P;
+  return pack_pairs(w);
 }
 
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
                          const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(P.dim() == 6 && P.scalar_type() == torch::kBFloat16 && P.is_contiguous() &&
-                  P.size(2) == NB && P.size(3) == TK / 2 && P.size(4) == TN &&
-                  P.size(0) * NB * TN >= N &&
-                  P.size(1) * TK >= x.size(1) && (P.size(1) - 1) * TK < x.size(1),
-              "P must come from bf16amx_pack for this K and N");
+  TORCH_CHECK(is_pairs_of(P, x.size(1), N), "P must come from bf16amx_pack for this K and N");
   TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process");
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), groups = P.size(0), kb_n = P.size(1);
   const int64_t Kp = kb_n * TK;
-  // x in bf16, K padded with zeros to whole tiles: [M, Kp] (a buffer kept per calling thread)
-  thread_local std::vector<uint16_t> xa;
-  if (xa.size() < static_cast<size_t>(M * Kp)) xa.resize(M * Kp);
-  const float* xp = xc.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    to_bf16_row(xp + m * K, xa.data() + m * Kp, K);
-    std::fill(xa.data() + m * Kp + K, xa.data() + (m + 1) * Kp, 0);
-  }
-  const uint16_t* xab = xa.data();  // the lambda runs on other threads: not their thread_local
+  const uint16_t* xab = round_rows(xc.data_ptr<float>(), M, K, Kp);  // [M, Kp] bf16
   auto y = torch::empty({M, N}, xc.options());
   float* yp = y.data_ptr<float>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
