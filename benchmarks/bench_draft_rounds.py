@@ -6,7 +6,11 @@ same prompts, interleaved per prompt (ar, then each method), for `--repeats` pas
 cost is the decoder's drafting time (`draft_time`: catch-up on committed context included) per
 step, as `build` times rounds for the adaptive policy;
 the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before.
-The report gives medians over prompts and passes, and the paired ratio round / step. Usage:
+The report gives medians over prompts and passes, and the paired ratio round / step; beside it
+the speed-up measured on the prompt (ar's decode time / the method's, same tokens) and the one
+the cost model predicts at tau = 3 with the same K: 3 steps' worth of tokens per round that
+costs the round plus its verify pass (both measured here; neither depends on tau at fixed K),
+3 x step / (round + verify). Usage:
 
     python benchmarks/bench_draft_rounds.py --methods eagle:4,eagle-tree:16,dspark:7,dflash:6 \
         [--drafter eagle=DIR ...] --out benchmarks/results/draft-rounds-<name>
@@ -52,15 +56,17 @@ def main() -> int:
     }
     for sd in (ar, *sds.values()):
         sd.generate(PROMPTS[0], max_new_tokens=8, chat=True)  # warm-up
-    rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau)
+    rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau, verify s, speed-up)
     for _ in range(a.repeats):
         for p in PROMPTS:
             r = ar.generate(p, max_new_tokens=a.tokens, chat=True)
             step = r.decode_time_s / max(r.num_new_tokens, 1)
             for m, sd in sds.items():
-                sd.decoder.draft_time = 0.0
+                sd.decoder.draft_time = sd.decoder.verify_time = 0.0
                 res = sd.generate(p, max_new_tokens=a.tokens, chat=True)
-                rows[m].append((sd.decoder.draft_time / max(res.num_steps, 1), step, res.tau))
+                n, dec = max(res.num_steps, 1), sd.decoder
+                speedup = step * res.num_new_tokens / res.decode_time_s if res.decode_time_s else float("nan")
+                rows[m].append((dec.draft_time / n, step, res.tau, dec.verify_time / n, speedup))
     info = machine_info()
     machine = f"{info.get('cpu', '?')} (native bf16 GEMM: {info.get('bf16_gemm', '?')})"
     report = {"machine": info, "target": a.target, "tokens": a.tokens, "repeats": a.repeats, "methods": {}}
@@ -72,27 +78,33 @@ def main() -> int:
         "medians over prompts and passes. Step: `ar` decode time per token on the same prompt just "
         "before (prefill excluded).",
         "",
-        "| method | K | round ms | ar step ms | round / step | per draft token / step | bound | tau |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | K | round ms | ar step ms | round / step | per draft token / step | bound | tau "
+        "| verify / step | speed-up | at tau 3 (model) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, k in specs:
         rs = rows[m]
-        ratio = statistics.median(r / s for r, s, _ in rs)  # paired per prompt
+        ratio = statistics.median(r / s for r, s, *_ in rs)  # paired per prompt
+        verify = statistics.median(v / s for _, s, _, v, _ in rs)
+        at3 = statistics.median(3 * s / (r + v) for r, s, _, v, _ in rs)
         per_token = ratio / k
         kind, bound = BOUNDS.get(m, ("round", float("nan")))
         shown = f"{bound} a {kind}" if bound == bound else ""
         rec = {
             "k": k,
-            "round_ms": statistics.median(r for r, _, _ in rs) * 1e3,
-            "step_ms": statistics.median(s for _, s, _ in rs) * 1e3,
+            "round_ms": statistics.median(r[0] for r in rs) * 1e3,
+            "step_ms": statistics.median(r[1] for r in rs) * 1e3,
             "round_per_step": ratio,
             "per_token_per_step": per_token,
-            "tau": statistics.median(t for _, _, t in rs),
+            "tau": statistics.median(r[2] for r in rs),
+            "verify_per_step": verify,
+            "speedup": statistics.median(r[4] for r in rs),
+            "speedup_at_tau3": at3,
         }
         report["methods"][m] = rec
         lines.append(
             f"| {m} | {k} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} | {per_token:.3f} "
-            f"| {shown} | {rec['tau']:.2f} |"
+            f"| {shown} | {rec['tau']:.2f} | {verify:.2f} | {rec['speedup']:.2f}x | {at3:.2f}x |"
         )
     lines += ["", "Command: `python benchmarks/bench_draft_rounds.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("drafter", "out")
