@@ -58,6 +58,7 @@ from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
 LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
+OURS = ("bf16w", "bf16-amx", "bf16-dp")  # our compiled products, in decode_layer's kind order
 AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx", "bf16-dp")
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
@@ -145,6 +146,7 @@ def _ours(kernel: str, pack: str, linear: str):
                 return op(x, packed, n, bb)
             return op(x.float(), packed, n, bb).to(x.dtype)
 
+        fn.ours = (OURS.index(kernel), packed, n, bb)  # what kernels' decode_layer calls directly
         return _reads(fn, packed)
 
     return prepare
@@ -253,6 +255,11 @@ def forced_plan(name: str, device: torch.device | str = "cpu") -> FormatPlan:
     return FormatPlan((name,) * len(BUCKETS))
 
 
+def bucket_of(rows: int) -> int:
+    """Index of the bucket of `BUCKETS` that serves products of `rows` rows."""
+    return min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)
+
+
 class Linear:
     """One projection in a plan's formats: each distinct kernel holds its own copy of the weight."""
 
@@ -264,12 +271,16 @@ class Linear:
         self._by_bucket = [made[k] for k in plan.kernels]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        i = min(bisect.bisect_left(BUCKETS, x.shape[0]), len(BUCKETS) - 1)
-        return self._by_bucket[i](x)
+        return self._by_bucket[bucket_of(x.shape[0])](x)
+
+    def ours(self, rows: int) -> tuple | None:
+        """(kind, packed, n, bias) of the product that serves `rows` rows when it is one of our
+        compiled kernels (`OURS`), for `kernels`' decode_layer; else None."""
+        return getattr(self._by_bucket[bucket_of(rows)], "ours", None)
 
     def nbytes(self, rows: int = 1) -> int:
         """Bytes of weights a product of `rows` rows streams (its kernel's copy)."""
-        return self._by_bucket[min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)].nbytes
+        return self._by_bucket[bucket_of(rows)].nbytes
 
 
 # ---- measurement ------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from specdecode.models.base import (
     chunked_prefill,
     host_list,
 )
-from specdecode.models.formats import FormatPlan, Linear, forced_plan
+from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.native_spec import NativeSpec
 
@@ -297,8 +297,11 @@ class NativeDecoder(nn.Module):
         cs = self._rope[pos_t]  # [T, 2, D]
         hidden: dict[int, torch.Tensor] = {}
         ops = self._fused
+        whole = self._whole_layers(groups, x.shape[0]) if ops is not None else None
         for i, w in enumerate(self._flat):
-            if ops is None:
+            if whole is not None:  # the layer in one call (kernels' decode_layer), same result
+                x = whole(i, x, cs)
+            elif ops is None:
                 x = self._layer(w, x, cs, groups, i)
             else:
                 x = self._layer_fused(ops, w, x, cs, groups, i)
@@ -390,6 +393,40 @@ class NativeDecoder(nn.Module):
         x, h = ops.add_rms_norm(x, o_proj(o), ln2, s.rms_norm_eps)
         # 4. SiLU MLP with fused gate/up
         return x + down_proj(ops.silu_mul(gu_proj(h)))
+
+    def _whole_layers(self, groups: list[_Group], T: int):
+        """`(i, x, cs) -> x` running layer i as one `decode_layer` call, when this forward is the
+        case it covers (one group on contiguous slots of equal lengths, read in place; attention
+        by our kernel; no per-head q/k norm; every product of T rows one of our kernels without
+        an output bias), else None. Same functions in the same order as `_layer_fused`."""
+        g = groups[0]
+        p = g.plan
+        if len(groups) > 1 or p.k_dst is None or p.k_src is None or p.window is not None:
+            return None
+        if g.N > FUSED_ATTENTION_ROWS or (p.causal and g.N > 1) or not hasattr(self._fused, "decode_layer"):
+            return None
+        bucket = bucket_of(T)
+        args = self._layer_args.get(bucket)
+        if args is None:
+            args = []
+            for ln1, qkv, qk_norm, o, ln2, gu, down in self._flat:
+                prods = [lin.ours(T) for lin in (qkv, o, gu, down)]
+                if qk_norm is not None or None in prods or any(pr[3] is not None for pr in prods[1:]):
+                    args = False  # cached too: the Python layer serves this bucket
+                    break
+                (kq, pq, nq, bq), *rest = prods
+                args.append((ln1, kq, pq, nq, bq, *rest[0][:3], ln2, *rest[1][:3], *rest[2][:3]))
+            self._layer_args[bucket] = args
+        if args is False:
+            return None
+        s, call = self.spec, self._fused.decode_layer
+        eps, H, Hk, D = s.rms_norm_eps, s.num_heads, s.num_kv_heads, s.head_dim
+
+        def layer(i: int, x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+            kd, vd, ks, vs = p.k_dst[i], p.v_dst[i], p.k_src[i], p.v_src[i]
+            return call(x, *args[i], cs, kd, vd, ks, vs, p.mask, eps, H, Hk, D)
+
+        return layer
 
     def _attend_groups(self, groups: list[_Group], i: int, q, k, v, attend_for) -> torch.Tensor:
         """Attention of each group over its own slots: q [T, H, D], k, v [T, Hk, D] -> [T, H*D]."""
@@ -558,6 +595,7 @@ class NativeDecoder(nn.Module):
             for w in self.layers
         ]
         self._head = Linear(self.lm_head_weight(), None, plan)
+        self._layer_args: dict[int, list | bool] = {}  # bucket -> decode_layer's weights per layer
         self.info = replace(self.info, format=plan.name)
         cpu_fp32 = plan.act_dtype == torch.float32 and self.embed_tokens.device.type == "cpu"
         self._fused = kernels.fused() if cpu_fp32 else None  # None: the stock-PyTorch layer

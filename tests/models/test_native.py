@@ -357,3 +357,41 @@ def test_masters_shrink_to_bf16_only_when_exact_and_unread(tiny_llama_dir):
     m.use_formats(forced_plan("fp32"))  # back to fp32 products: the same fp32 model as before
     assert m.layers[0].w_qkv.dtype == torch.float32
     torch.testing.assert_close(logits(m), fp32_logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_qwen2_dir"])  # qwen2: QKV bias
+@pytest.mark.parametrize("kv", ["auto", "bf16"])
+def test_whole_layer_call_equals_the_python_layer(kind, kv, request, monkeypatch):
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    ops = kernels.fused()
+    if ops is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    lm = load_model(str(request.getfixturevalue(kind)), dtype="fp32", device="cpu", kv_cache_dtype=kv)
+    model = lm.model
+    model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))  # our AVX2 product: decode_layer's case
+    calls = []
+    real = model._whole_layers
+
+    def counted(groups, T):
+        fn = real(groups, T)
+        calls.append(fn is not None)
+        return fn
+
+    def run(whole, n, slots=(1,), num_slots=3):
+        monkeypatch.setattr(model, "_whole_layers", counted if whole else (lambda groups, T: None))
+        cache = model.new_cache(num_slots, 48)
+        prompt = _ids(9, batch=len(slots))
+        model.prefill(prompt, cache, list(slots))
+        return model.forward(_ids(n, seed=5, batch=len(slots)), None, cache, list(slots), capture=(0, -1))
+
+    for n, slots in [(1, (1,)), (5, (1,)), (1, (0, 1)), (3, (1, 2))]:
+        calls.clear()
+        a, b = run(True, n, slots), run(False, n, slots)
+        assert calls[-1], (n, slots)  # the whole-layer path served the step
+        assert torch.equal(a.logits, b.logits)
+        assert all(torch.equal(a.hidden[k], b.hidden[k]) for k in (0, -1))
+    calls.clear()
+    run(True, 2, slots=(2, 0))  # slots out of order: the Python layer (gathered writes)
+    assert calls[-1] is False

@@ -12,7 +12,9 @@ Contract:
     CPU without AVX512-BF16), then `bf16dp_linear(x [M, K] fp32, packed, N, bias | None)`
     (the AMX product's arithmetic and weight layout, on vector dot-product instructions);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
-    `attention`; contracts in that file).
+    `attention`; contracts in that file);
+  - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
+    (those ops and our products, called directly, in the Python path's order; contract there).
   Each computes a row the same way whatever the number of rows.
 - Both come from one extension, absent when it cannot run here: a non-x86 CPU, no C++
   compiler, a failed build, or a CPU without AVX2 + FMA (that check only keeps the process
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp")
+SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp")
 HEADERS = ("bf16_pairs.h",)  # included by amx.cpp and bf16dp.cpp
 unavailable: dict[str, str] = {}
 
