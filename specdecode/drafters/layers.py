@@ -27,6 +27,9 @@ Contract:
   learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
   the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
   computed once per step for all the shifts that read it.
+- `whole_layer_args(attn, mlp, post_norm, rows)`: a drafter layer's products for `kernels`'
+  decode_layer (one call a layer at inference; None where its products are not our kernels);
+  `signed_rope(cos, sin)` the RoPE table that call reads.
 - `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's;
   `QK_NORM_NAMES` the same for the optional per-head q/k norms.
 - `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
@@ -229,6 +232,31 @@ class PlannedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x.reshape(-1, self.in_features))  # [M, out]
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def signed_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos/sin [.., D] (rotate-half convention) -> [.., 2, D] (cos ; sin with its first half
+    negated): the table our fused RoPE kernel reads (x * cos + roll(x, D/2) * signed sin)."""
+    half = sin.shape[-1] // 2
+    return torch.stack([cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)], dim=-2)
+
+
+def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, rows: int) -> tuple | None:
+    """The arguments of `kernels`' decode_layer after its `ln1` (products and post-attention norm)
+    for a drafter layer made of `attn`, `post_norm` and `mlp` when every product of `rows` rows
+    runs one of our compiled kernels (`use_formats` with such a plan) and the layer has no
+    per-head q/k norm; else None (the layer then runs its Python modules)."""
+    ops = kernels.fused()
+    o, down = attn.o_proj, mlp.down_proj
+    if ops is None or not hasattr(ops, "decode_layer") or attn.qk_norm or attn.fused_qkv is None:
+        return None
+    if mlp.fused_gate_up is None or not isinstance(o, PlannedLinear) or not isinstance(down, PlannedLinear):
+        return None
+    prods = [lin.ours(rows) for lin in (attn.fused_qkv, o.product, mlp.fused_gate_up, down.product)]
+    if None in prods or any(p[3] is not None for p in prods[1:]):
+        return None
+    (kq, pq, nq, bq), (ko, po, no, _), (kg, pg, ng, _), (kd, pd, nd, _) = prods
+    return (kq, pq, nq, bq, ko, po, no, post_norm.weight, kg, pg, ng, kd, pd, nd)
 
 
 def cpu_plan(target) -> formats.FormatPlan | None:

@@ -253,3 +253,36 @@ def test_offline_accuracy_beside_served_acceptance(
     assert offline_accuracy(fresh, tiny, heldout, cfg.tokens_per_batch, 8)[0] < rows[0]["offline"]
     with pytest.raises(SpecDecodeError, match="trainer.pt"):
         run_comparison(method, tiny, regen_dir, tmp_path, cfg, kw, eval_data=prompts_dir)
+
+
+@pytest.mark.parametrize("method", ["eagle", "dspark", "dflash"])
+def test_drafter_layers_in_one_call_draft_as_their_modules(tiny_llama_dir, trained, method, monkeypatch):
+    """With our kernels in the target's plan, an EAGLE-3 chain step and a DFlash/DSpark block run
+    each drafter layer as one `decode_layer` call: greedy output stays ar's, and the drafts are
+    the ones the Python modules make (same math; only RoPE/attention rounding differs)."""
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    prompts = short_prompts(target.tokenizer)
+    ar = decode_fixed_k(target, ARDrafter(), 0, prompts)
+    drafter = _drafter(method, trained, target)
+    fast = "_run_whole" if method == "eagle" else "_block_whole"
+    real, used = getattr(type(drafter), fast), []
+
+    def counted(self, *a, **kw):
+        out = real(self, *a, **kw)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(drafter), fast, counted)
+    whole = decode_fixed_k(target, drafter, 3, prompts)
+    monkeypatch.setattr(type(drafter), fast, lambda self, *a, **kw: None)
+    modules = decode_fixed_k(target, _drafter(method, trained, target), 3, prompts)
+    assert [r.token_ids for r in whole] == [r.token_ids for r in ar] == [r.token_ids for r in modules]
+    assert [r.accepted_per_position for r in whole] == [r.accepted_per_position for r in modules]
+    qk_norm = getattr(drafter.net.cfg, "qk_norm", False)
+    assert any(used) != bool(qk_norm)  # taken unless the layer has per-head q/k norms

@@ -32,7 +32,15 @@ import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.dflash.model import DFlash
-from specdecode.drafters.layers import DraftVocab, PlannedLinear, cpu_plan
+from specdecode.drafters.layers import (
+    DraftVocab,
+    PlannedLinear,
+    cpu_plan,
+    rope_table,
+    signed_rope,
+    whole_layer_args,
+)
+from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
@@ -59,6 +67,7 @@ class DFlashDrafter(Drafter):
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
+        self._whole: dict[int, list] = {}  # block rows -> decode_layer's product arguments per layer
 
     # ---- slots ----------------------------------------------------------------------------
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -122,7 +131,37 @@ class DFlashDrafter(Drafter):
         pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
         mask = self.net.mask_vector(lambda ids: self.target.embed(ids.to(self.target.info.device)))
         block = self.net.block_input(emb, mask.to(self.device, self.dtype))[:, 0]  # [B', Bk, d]
+        if len(slots) == 1:
+            out = self._block_whole(slots[0], T, block, pos)
+            if out is not None:
+                return out
         return self.net.draft_states(block, pos.to(self.device), ctx_kv, visible)
+
+    def _block_whole(self, slot: int, T: int, block: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        """`draft_states` for one request as one `kernels`' decode_layer call a layer (same math;
+        its own rounding of RoPE and attention): the block's keys/values go to the cache rows past
+        its T committed ones, which the next catch-up overwrites and nothing reads before. None
+        where the layers' products are not our kernels or the cache has no room for the block."""
+        net, Bk = self.net, block.shape[1]
+        R = self.cache.k[0].shape[2]
+        if self.device.type != "cpu" or self.dtype != torch.float32 or T + Bk > R:
+            return None
+        if Bk not in self._whole:
+            self._whole[Bk] = [whole_layer_args(ly.attn, ly.mlp, ly.post_norm, Bk) for ly in net.layers]
+        args = self._whole[Bk]
+        if None in args:
+            return None
+        c, call = net.cfg, kernels.fused().decode_layer
+        cs = signed_rope(*rope_table(pos[0].to(self.device), c.head_dim, c.rope_theta))  # [Bk, 2, D]
+        h = block[0]  # [Bk, d]
+        for i, layer in enumerate(net.layers):
+            k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]
+            h = call(
+                h, layer.input_norm.weight, *args[i], cs, k[:, :, T : T + Bk].transpose(1, 2),
+                v[:, :, T : T + Bk].transpose(1, 2), k[:, :, : T + Bk], v[:, :, : T + Bk], None,
+                c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim,
+            )  # fmt: skip
+        return net.norm(h)[None]
 
     # ---- propose --------------------------------------------------------------------------
     def _logits(self, states: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
-from specdecode.drafters.layers import DraftVocab, attend, rope_table
+from specdecode.drafters.layers import DraftVocab, attend, rope_table, signed_rope, whole_layer_args
+from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
@@ -67,6 +68,7 @@ class EagleDrafter(Drafter):
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 3d] features
         self._last: dict[int, torch.Tensor] = {}  # slot -> [d] output state of the last committed row
+        self._whole: dict[int, tuple | None] = {}  # rows -> decode_layer's product arguments
 
     # ---- slots ----------------------------------------------------------------------------
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -100,6 +102,10 @@ class EagleDrafter(Drafter):
         c = self.net.cfg
         emb = self.target.embed(tok.to(self.target.info.device)).to(self.device, self.dtype)
         cos, sin = rope_table(positions.to(self.device), c.head_dim, c.rope_theta)
+        if visible is None and len(slots) == 1:  # one request's rows r0..r0+N-1: one call
+            out = self._run_whole(slots[0], emb, hidden, rows, cos, sin)
+            if out is not None:
+                return out
         q, k, v = self.net.attn.qkv(self.net.layer_in(emb, hidden), cos, sin)
         sl = torch.tensor(slots, device=self.device)[:, None]  # [B, 1]
         kc = self.cache.k[0].transpose(1, 2)  # [S, R, Hk, D] view
@@ -115,6 +121,30 @@ class EagleDrafter(Drafter):
             keys, values = kc[sl[:, 0], :span], vc[sl[:, 0], :span]  # [B, span, Hk, D]
         mask = None if visible is None else visible.to(self.device)
         return self.net.layer_out(hidden, attend(q, keys, values, mask))
+
+    def _run_whole(self, slot, emb, hidden, rows, cos, sin) -> torch.Tensor | None:
+        """`_run` for one request whose N new rows are consecutive, as `kernels`' decode_layer
+        (same math, one call; its own rounding of RoPE and attention), when the layer's products
+        are our kernels; else None. emb, hidden [1, N, d]; rows [1, N]; cos/sin [1, N, D]."""
+        net, N = self.net, rows.shape[1]
+        r0 = int(rows[0, 0])
+        if self.device.type != "cpu" or self.dtype != torch.float32 or int(rows[0, -1]) != r0 + N - 1:
+            return None
+        if N not in self._whole:
+            self._whole[N] = whole_layer_args(net.attn, net.mlp, net.post_norm, N)
+        args = self._whole[N]
+        if args is None:
+            return None
+        c = net.cfg
+        k, v = self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
+        d = hidden.shape[-1]
+        out = kernels.fused().decode_layer(
+            hidden.reshape(N, d), net.post_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
+            k[:, :, r0 : r0 + N].transpose(1, 2), v[:, :, r0 : r0 + N].transpose(1, 2),
+            k[:, :, : r0 + N], v[:, :, : r0 + N], None, c.rms_norm_eps,
+            c.num_heads, c.num_kv_heads, c.head_dim, net.layer_in(emb, hidden).reshape(N, -1),
+        )  # fmt: skip
+        return out.view(1, N, d)
 
     @torch.no_grad()
     def _catch_up(self, batch: list[DraftRow], idx: list[int]) -> None:
