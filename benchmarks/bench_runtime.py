@@ -5,8 +5,10 @@ loaded and measured in one process, formats interleaved per repeat so that machi
 them alike:
 - T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
   and T(8)/T(1), the price of verifying 7 drafts;
-- the split of T(1) and T(8) into matrix products, attention and everything else
-  (torch.profiler self CPU time by op name);
+- the split of T(1) and T(8) into matrix products, attention, whole layers run as one call
+  (`decode_layer`: products, attention and norms inside) and everything else (torch.profiler
+  self CPU time by op name); with `auto` also the row `auto, Python layers`: the same model
+  with every layer run op by op from Python, which shows the split inside the layers;
 - the bandwidth ceiling of the format: bytes the products read per one-token step / memory
   bandwidth measured here (a large copy), and T(1) as a fraction of it.
 Writes `<out>/report.md` and `<out>/results.json`.
@@ -34,6 +36,15 @@ MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weig
               "_weight_int4pack_mm_for_cpu", "matmul", "bmm", "bf16w_linear", "bf16amx_linear",
               "bf16dp_linear")  # fmt: skip
 ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention", "attention")
+PY_LAYERS = "auto, Python layers"  # the auto model with decode_layer switched off
+
+
+def _python_layers(model, on: bool) -> None:
+    """Run `model`'s layers op by op from Python (on) or as it chooses (off)."""
+    if on:
+        model._whole_layers = lambda groups, T: None  # shadows the method on this instance
+    else:
+        model.__dict__.pop("_whole_layers", None)
 
 
 def _bandwidth_gbs() -> float:
@@ -63,7 +74,7 @@ def _forward_ms(model, cache, ids, n: int) -> float:
 
 
 def _split(model, cache, ids, n: int, reps: int = 5) -> dict:
-    """Self CPU ms per forward in products / attention / other (torch.profiler)."""
+    """Self CPU ms per forward in products / attention / one-call layers / other (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     x = ids[:, CONTEXT : CONTEXT + n]
@@ -73,11 +84,13 @@ def _split(model, cache, ids, n: int, reps: int = 5) -> dict:
         for _ in range(reps):
             model.forward(x, None, cache, [0])
         wall = (time.perf_counter() - t0) * 1e3 / reps
-    out = {"products": 0.0, "attention": 0.0, "other ops": 0.0}
+    out = {"products": 0.0, "attention": 0.0, "one-call layers": 0.0, "other ops": 0.0}
     for ev in prof.key_averages():
         name = ev.key.split("::")[-1]
         ms = ev.self_cpu_time_total / 1e3 / reps
-        if name in MATMUL_OPS:
+        if name == "decode_layer":
+            out["one-call layers"] += ms
+        elif name in MATMUL_OPS:
             out["products"] += ms
         elif any(a in name for a in ATTENTION_OPS):
             out["attention"] += ms
@@ -100,16 +113,24 @@ def main() -> None:
     names = [f for f in a.formats.split(",") if f]
     models = {f: load_model(a.target, dtype=f, device="cpu").model for f in names}
     state = {f: _setup(m) for f, m in models.items()}
-    times = {f: {n: [] for n in BLOCKS} for f in names}
+    if "auto" in models:  # the same weights and cache, layers op by op
+        models[PY_LAYERS], state[PY_LAYERS] = models["auto"], state["auto"]
+    times = {f: {n: [] for n in BLOCKS} for f in models}
+    splits = {}
     with torch.inference_mode():
         for f, m in models.items():  # warm-up
             for n in BLOCKS:
+                _python_layers(m, f == PY_LAYERS)
                 _forward_ms(m, *state[f], n)
         for _ in range(a.repeats):
             for n in BLOCKS:
                 for f, m in models.items():
+                    _python_layers(m, f == PY_LAYERS)
                     times[f][n].append(_forward_ms(m, *state[f], n))
-        splits = {f: {n: _split(m, *state[f], n) for n in (1, 8)} for f, m in models.items()}
+        for f, m in models.items():
+            _python_layers(m, f == PY_LAYERS)
+            splits[f] = {n: _split(m, *state[f], n) for n in (1, 8)}
+            _python_layers(m, False)
     bw = _bandwidth_gbs()
     res = {}
     for f, m in models.items():
@@ -171,15 +192,22 @@ def report(meta: dict, res: dict) -> str:
         "",
         "Where the time goes (torch.profiler self CPU time per forward, ms; N = 1 and N = 8):",
         "",
-        "| --dtype | N | products | attention | other ops | python and dispatch | wall (profiled) |",
-        "|---|---|---|---|---|---|---|",
+        "| --dtype | N | products | attention | one-call layers | other ops | python and dispatch "
+        "| wall (profiled) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f, r in res.items():
         for n, sp in r["split_ms"].items():
             lines.append(
-                f"| {f} | {n} | {sp['products']:.1f} | {sp['attention']:.1f} | {sp['other ops']:.1f} | "
-                f"{sp['python and dispatch']:.1f} | {sp['wall (profiled)']:.1f} |"
+                f"| {f} | {n} | {sp['products']:.1f} | {sp['attention']:.1f} | {sp['one-call layers']:.1f} | "
+                f"{sp['other ops']:.1f} | {sp['python and dispatch']:.1f} | {sp['wall (profiled)']:.1f} |"
             )
+    lines += [
+        "",
+        "One-call layers: `decode_layer` (models/kernels/layer.cpp), a whole decoder layer whose "
+        "products, attention and norms are called from C++; `auto, Python layers` is the same model "
+        "with each layer run op by op, which shows the split inside.",
+    ]
     auto = res.get("auto", {}).get("auto_record", {})
     if auto.get("ms_per_forward"):
         from specdecode.models.formats import BUCKETS
