@@ -242,13 +242,14 @@ def signed_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, rows: int) -> tuple | None:
-    """The arguments of `kernels`' decode_layer after its `ln1` (products and post-attention norm)
-    for a drafter layer made of `attn`, `post_norm` and `mlp` when every product of `rows` rows
-    runs one of our compiled kernels (`use_formats` with such a plan) and the layer has no
-    per-head q/k norm; else None (the layer then runs its Python modules)."""
+    """(args, norms) for `kernels`' decode_layer: args its arguments after `ln1` up to the down
+    product's (products and post-attention norm), norms the per-head q/k norm weights as keyword
+    arguments ({} without them), for a drafter layer made of `attn`, `post_norm` and `mlp`, when
+    every product of `rows` rows runs one of our compiled kernels (`use_formats` with such a
+    plan); else None (the layer then runs its Python modules)."""
     ops = kernels.fused()
     o, down = attn.o_proj, mlp.down_proj
-    if ops is None or not hasattr(ops, "decode_layer") or attn.qk_norm or attn.fused_qkv is None:
+    if ops is None or not hasattr(ops, "decode_layer") or attn.fused_qkv is None:
         return None
     if mlp.fused_gate_up is None or not isinstance(o, PlannedLinear) or not isinstance(down, PlannedLinear):
         return None
@@ -256,7 +257,8 @@ def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, ro
     if None in prods or any(p[3] is not None for p in prods[1:]):
         return None
     (kq, pq, nq, bq), (ko, po, no, _), (kg, pg, ng, _), (kd, pd, nd, _) = prods
-    return (kq, pq, nq, bq, ko, po, no, post_norm.weight, kg, pg, ng, kd, pd, nd)
+    norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight} if attn.qk_norm else {}
+    return (kq, pq, nq, bq, ko, po, no, post_norm.weight, kg, pg, ng, kd, pd, nd), norms
 
 
 def cpu_plan(target) -> formats.FormatPlan | None:

@@ -284,5 +284,4 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(tiny_llama_dir, train
     modules = decode_fixed_k(target, _drafter(method, trained, target), 3, prompts)
     assert [r.token_ids for r in whole] == [r.token_ids for r in ar] == [r.token_ids for r in modules]
     assert [r.accepted_per_position for r in whole] == [r.accepted_per_position for r in modules]
-    qk_norm = getattr(drafter.net.cfg, "qk_norm", False)
-    assert any(used) != bool(qk_norm)  # taken unless the layer has per-head q/k norms
+    assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)

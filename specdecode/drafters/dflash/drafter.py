@@ -138,10 +138,11 @@ class DFlashDrafter(Drafter):
         return self.net.draft_states(block, pos.to(self.device), ctx_kv, visible)
 
     def _block_whole(self, slot: int, T: int, block: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
-        """`draft_states` for one request as one `kernels`' decode_layer call a layer (same math;
-        its own rounding of RoPE and attention): the block's keys/values go to the cache rows past
-        its T committed ones, which the next catch-up overwrites and nothing reads before. None
-        where the layers' products are not our kernels or the cache has no room for the block."""
+        """`draft_states` for one request as one `kernels`' decode_layer call a layer (same math,
+        per-head q/k norms included; its own rounding of RoPE and attention): the block's
+        keys/values go to the cache rows past its T committed ones, which the next catch-up
+        overwrites and nothing reads before. None where the layers' products are not our
+        kernels or the cache has no room for the block."""
         net, Bk = self.net, block.shape[1]
         R = self.cache.k[0].shape[2]
         if self.device.type != "cpu" or self.dtype != torch.float32 or T + Bk > R:
@@ -156,10 +157,11 @@ class DFlashDrafter(Drafter):
         h = block[0]  # [Bk, d]
         for i, layer in enumerate(net.layers):
             k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]
+            a, norms = args[i]
             h = call(
-                h, layer.input_norm.weight, *args[i], cs, k[:, :, T : T + Bk].transpose(1, 2),
+                h, layer.input_norm.weight, *a, cs, k[:, :, T : T + Bk].transpose(1, 2),
                 v[:, :, T : T + Bk].transpose(1, 2), k[:, :, : T + Bk], v[:, :, : T + Bk], None,
-                c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim,
+                c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, **norms,
             )  # fmt: skip
         return net.norm(h)[None]
 

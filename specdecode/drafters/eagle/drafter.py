@@ -132,9 +132,9 @@ class EagleDrafter(Drafter):
             return None
         if N not in self._whole:
             self._whole[N] = whole_layer_args(net.attn, net.mlp, net.post_norm, N)
-        args = self._whole[N]
-        if args is None:
+        if self._whole[N] is None:
             return None
+        args, norms = self._whole[N]
         c = net.cfg
         k, v = self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
         d = hidden.shape[-1]
@@ -142,7 +142,7 @@ class EagleDrafter(Drafter):
             hidden.reshape(N, d), net.post_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
             k[:, :, r0 : r0 + N].transpose(1, 2), v[:, :, r0 : r0 + N].transpose(1, 2),
             k[:, :, : r0 + N], v[:, :, : r0 + N], None, c.rms_norm_eps,
-            c.num_heads, c.num_kv_heads, c.head_dim, net.layer_in(emb, hidden).reshape(N, -1),
+            c.num_heads, c.num_kv_heads, c.head_dim, net.layer_in(emb, hidden).reshape(N, -1), **norms,
         )  # fmt: skip
         return out.view(1, N, d)
 

@@ -4,11 +4,13 @@
 // decode_layer(x [T, d], ln1 [d], qkv, o, ln2 [d], gu, down, cs [T, 2, D], k_dst, v_dst
 //              [B, N, Hk, D] (where the new keys/values go), k_src, v_src [B, Hk, span, D]
 //              (what attention reads), mask [B|1, 1, G*N, span] | None, eps, H, Hk, D,
-//              qkv_in [T, in] | None) -> [T, d]
+//              qkv_in [T, in] | None, q_norm [D] | None, k_norm [D] | None) -> [T, d]
 // where each projection is (kind, packed, n, bias | None): kind 0 `bf16w_linear`, 1
 // `bf16amx_linear`, 2 `bf16dp_linear` on the packed weight of n outputs. `qkv_in` replaces
 // rms_norm(x, ln1) as the QKV product's input (EAGLE-3's layer reads [norm(embedding) ;
 // norm(features)] and keeps the features as its residual stream x); ln1 is then not read.
+// `q_norm` / `k_norm` (both or neither): per-head RMSNorm weights applied to every head of q and
+// of k before RoPE (the drafters' Qwen3-style layer, as their `FusedRMSNorm` modules do it).
 //
 // It is `NativeDecoder._layer_fused` (norm, QKV product, RoPE, cache write, attention with the G
 // query heads of a KV head folded into the rows, output product, add + norm, gate/up product,
@@ -56,7 +58,8 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
                            const torch::Tensor& down_p, int64_t down_n, const torch::Tensor& cs,
                            torch::Tensor k_dst, torch::Tensor v_dst, const torch::Tensor& k_src,
                            const torch::Tensor& v_src, const c10::optional<torch::Tensor>& mask, double eps,
-                           int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& qkv_in) {
+                           int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& qkv_in,
+                           const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm) {
   TORCH_CHECK(x.dim() == 2 && k_dst.dim() == 4, "x must be [T, d] and k_dst [B, N, Hk, D]");
   const int64_t T = x.size(0), B = k_dst.size(0), N = k_dst.size(1), G = H / Hk;
   TORCH_CHECK(B * N == T && k_dst.size(2) == Hk && k_dst.size(3) == D, "k_dst must be [B, N, Hk, D] with B * N = T");
@@ -64,6 +67,12 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   // 1. attention input: norm, fused QKV product, RoPE on q and k in place
   const auto h = qkv_in.has_value() && qkv_in->defined() ? *qkv_in : rms_norm(x, ln1, eps);
   auto qkv = product(qkv_kind, h, qkv_p, qkv_n, qkv_b);  // [T, (H + 2Hk) D]
+  if (q_norm.has_value() && q_norm->defined()) {  // per-head norms of q and k, then RoPE
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "q_norm needs k_norm");
+    auto qs = qkv.narrow(1, 0, H * D), ks = qkv.narrow(1, H * D, Hk * D);
+    qs.copy_(rms_norm(qs.reshape({T * H, D}), *q_norm, eps).view({T, H * D}));
+    ks.copy_(rms_norm(ks.reshape({T * Hk, D}), *k_norm, eps).view({T, Hk * D}));
+  }
   rope_(qkv, cs, H + Hk);
   const auto q = qkv.narrow(1, 0, H * D).view({B, N, H, D});
   // 2. cache write, then attention over the span with the G heads of a KV head as rows
@@ -83,7 +92,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
       "int down_n, Tensor cs, Tensor(a!) k_dst, Tensor(b!) v_dst, Tensor k_src, Tensor v_src, Tensor? mask, "
-      "float eps, int H, int Hk, int D, Tensor? qkv_in=None) -> Tensor");
+      "float eps, int H, int Hk, int D, Tensor? qkv_in=None, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) { m.impl("decode_layer", &decode_layer); }
