@@ -2,9 +2,10 @@
 
 Contract: `step_costs(model, max_tokens)` returns `costs[n-1]` = median seconds of a forward of
 n new tokens (n = 1..max_tokens) over a 256-token context, batch 1. Profiles are cached as
-JSON under `<cache_dir>/profiles/`, keyed by the model's fingerprint, dtype, device, torch
-version, CPU capability and thread count, so a machine measures once and later runs make the
-same draft-length decisions (a seeded sampled run stays reproducible).
+JSON under `<cache_dir>/profiles/`, keyed by the model's fingerprint, dtype, weight formats
+(`info.format`), device, torch version, CPU capability, thread count and the sources of our
+compiled kernels, so a machine measures once and later runs make the same draft-length
+decisions (a seeded sampled run stays reproducible), and a faster runtime is measured anew.
 
 Why: whether verifying K extra tokens is nearly free depends on the hardware. With AMX (or a
 GPU) a bf16 forward of 8 tokens costs about one of 1 token; on an AVX2-only CPU it costs ~5x.
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdecode.assets import cache_dir
+from specdecode.models import kernels
 
 CONTEXT = 256
 
@@ -41,10 +43,12 @@ def _key(model, fingerprint: str) -> str:
     parts = [
         fingerprint,
         str(info.dtype),
+        str(getattr(info, "format", "")),
         str(info.device),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         str(torch.get_num_threads()),
+        kernels.source_tag(),  # the step runs our kernels: new kernels, new costs
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
