@@ -392,6 +392,15 @@ def test_whole_layer_call_equals_the_python_layer(kind, kv, request, monkeypatch
         assert calls[-1], (n, slots)  # the whole-layer path served the step
         assert torch.equal(a.logits, b.logits)
         assert all(torch.equal(a.hidden[k], b.hidden[k]) for k in (0, -1))
+    mask, depth, _ = _tree()  # a token tree verified in one block: the mask goes into the call
+    tree_out = []
+    for whole in (True, False):
+        monkeypatch.setattr(model, "_whole_layers", counted if whole else (lambda groups, T: None))
+        cache = model.new_cache(1, 48)
+        model.prefill(_ids(7, seed=1), cache, [0])
+        ids = _ids(6, seed=2)
+        tree_out.append(model.forward(ids, (7 + depth)[None], cache, [0], tree_mask=mask[None]).logits)
+    assert calls[-1] and torch.equal(*tree_out)
     calls.clear()
     run(True, 2, slots=(2, 0))  # slots out of order: the Python layer (gathered writes)
     assert calls[-1] is False
