@@ -221,8 +221,12 @@ def test_adversarial_sampling_values(server, extra, status):
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, **extra})  # \ud800 escapes
     r = server.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    if status == 200:  # greedy either way: a tiny temperature equals temperature 0
-        assert r.json()["choices"][0]["finish_reason"] == "length"
+    if status == 200:
+        finish = r.json()["choices"][0]["finish_reason"]
+        if "top_k" in extra:  # sampled at the default temperature: it may draw EOS within 4 tokens
+            assert finish in ("stop", "length")
+        else:  # greedy either way: a tiny temperature equals temperature 0, a tiny top_p the top token
+            assert finish == "length"
 
 
 def _deep(s):
