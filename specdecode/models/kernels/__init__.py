@@ -39,7 +39,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp")
-HEADERS = ("bf16_pairs.h",)  # included by amx.cpp and bf16dp.cpp
+HEADERS = ("bf16_pairs.h", "products.h")  # included by the product kernels
 unavailable: dict[str, str] = {}
 
 

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "products.h"
+
 namespace specdecode_kernels {
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (NaN stays NaN)
@@ -67,6 +69,37 @@ inline const uint16_t* round_rows(const float* x, int64_t M, int64_t K, int64_t 
     std::fill(xa.data() + m * Kp + K, xa.data() + (m + 1) * Kp, 0);
   }
   return xa.data();
+}
+
+// What amx_linear and bf16dp_linear set up alike for x [M, K] fp32 against P (pack_pairs' layout
+// for N outputs): x rounded to bf16 rows [M, Kp] (call it only once the CPU is known to run
+// AVX512-BF16), y [M, N] to fill, the weights and the bias. `pack` names the packing op in the
+// error for a P of another shape.
+struct PairsCall {
+  torch::Tensor y, bias_keep;
+  const uint16_t* xa;
+  const uint16_t* P;
+  const float* bias;
+  float* out;
+  int64_t M, groups, kb_n, Kp;
+};
+
+inline PairsCall pairs_call(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                            const c10::optional<torch::Tensor>& bias, const char* pack) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(is_pairs_of(P, x.size(1), N), "P must come from ", pack, " for this K and N");
+  const auto xc = x.contiguous();
+  PairsCall c;
+  c.M = xc.size(0);
+  c.groups = P.size(0);
+  c.kb_n = P.size(1);
+  c.Kp = c.kb_n * PAIR_TK;
+  c.xa = round_rows(xc.data_ptr<float>(), c.M, xc.size(1), c.Kp);  // [M, Kp] bf16
+  c.y = torch::empty({c.M, N}, xc.options());
+  c.out = c.y.data_ptr<float>();
+  c.P = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+  c.bias = bias_f32(bias, N, c.bias_keep);
+  return c;
 }
 
 }  // namespace specdecode_kernels

@@ -27,13 +27,11 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
-using specdecode_kernels::is_pairs_of;
 using specdecode_kernels::pack_pairs;
-using specdecode_kernels::round_rows;
+using specdecode_kernels::pairs_call;
 
 constexpr int64_t TN = 16;  // outputs per block
 constexpr int64_t TK = 32;  // inputs per block
@@ -94,23 +92,12 @@ torch::Tensor dp_pack(const torch::Tensor& w) {
 
 torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
                         const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(is_pairs_of(P, x.size(1), N), "P must come from bf16dp_pack for this K and N");
   TORCH_CHECK(cpu_has_avx512bf16(), "this CPU has no AVX512-BF16 instructions");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), groups = P.size(0), kb_n = P.size(1);
-  const int64_t Kp = kb_n * TK;
-  const uint16_t* xab = round_rows(xc.data_ptr<float>(), M, K, Kp);  // [M, Kp] bf16
-  auto y = torch::empty({M, N}, xc.options());
-  float* yp = y.data_ptr<float>();
-  const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-  const float* bp = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(bc.numel() == N, "bias must have N entries");
-    bp = bc.data_ptr<float>();
-  }
+  const auto call = pairs_call(x, P, N, bias, "bf16dp_pack");  // checks x and P, rounds x to bf16
+  const int64_t M = call.M, groups = call.groups, kb_n = call.kb_n, Kp = call.Kp;
+  const uint16_t *xab = call.xa, *pp = call.P;
+  const float* bp = call.bias;
+  float* yp = call.out;
   const int64_t gsize = kb_n * NB * TK * TN;  // bf16 per group
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float out[MT * NB * TN];
@@ -130,7 +117,7 @@ torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t 
       }
     }
   });
-  return y;
+  return call.y;
 }
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {

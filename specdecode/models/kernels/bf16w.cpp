@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "products.h"
+
 namespace {
 
 constexpr int64_t PB = 16;  // output rows per packed block
@@ -100,13 +102,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& P, int6
   const float* xp = xc.data_ptr<float>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const float* bp = nullptr;
   torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(bc.numel() == N, "bias must have N entries");
-    bp = bc.data_ptr<float>();
-  }
+  const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
   at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
     int64_t m = 0;
     // 4 rows: 8 accumulators; more would spill registers (16 on AVX2) and cost more than a
