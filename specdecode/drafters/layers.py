@@ -253,12 +253,13 @@ def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, ro
         return None
     if mlp.fused_gate_up is None or not isinstance(o, PlannedLinear) or not isinstance(down, PlannedLinear):
         return None
-    prods = [lin.ours(rows) for lin in (attn.fused_qkv, o.product, mlp.fused_gate_up, down.product)]
-    if None in prods or any(p[3] is not None for p in prods[1:]):
+    prods = formats.layer_products(
+        attn.fused_qkv, o.product, post_norm.weight, mlp.fused_gate_up, down.product, rows
+    )
+    if prods is None:
         return None
-    (kq, pq, nq, bq), (ko, po, no, _), (kg, pg, ng, _), (kd, pd, nd, _) = prods
     norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight} if attn.qk_norm else {}
-    return (kq, pq, nq, bq, ko, po, no, post_norm.weight, kg, pg, ng, kd, pd, nd), norms
+    return prods, norms
 
 
 def cpu_plan(target) -> formats.FormatPlan | None:

@@ -260,6 +260,20 @@ def bucket_of(rows: int) -> int:
     return min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)
 
 
+def layer_products(
+    qkv: Linear, o: Linear, ln2: torch.Tensor, gu: Linear, down: Linear, rows: int
+) -> tuple | None:
+    """`kernels`' decode_layer arguments from its QKV product to its down product (qkv's kind,
+    packed weight, outputs and bias; o's kind, packed weight and outputs; the post-attention norm
+    weight ln2; gate/up's and down's likewise) when each product of `rows` rows runs one of our
+    compiled kernels (`OURS`) and only QKV has a bias; else None."""
+    prods = [lin.ours(rows) for lin in (qkv, o, gu, down)]
+    if None in prods or any(p[3] is not None for p in prods[1:]):
+        return None
+    (kq, pq, nq, bq), (ko, po, no, _), (kg, pg, ng, _), (kd, pd, nd, _) = prods
+    return (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd)
+
+
 class Linear:
     """One projection in a plan's formats: each distinct kernel holds its own copy of the weight."""
 

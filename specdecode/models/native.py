@@ -52,7 +52,7 @@ from specdecode.models.base import (
     chunked_prefill,
     host_list,
 )
-from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan
+from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan, layer_products
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.native_spec import NativeSpec
 
@@ -410,12 +410,11 @@ class NativeDecoder(nn.Module):
         if args is None:
             args = []
             for ln1, qkv, qk_norm, o, ln2, gu, down in self._flat:
-                prods = [lin.ours(T) for lin in (qkv, o, gu, down)]
-                if qk_norm is not None or None in prods or any(pr[3] is not None for pr in prods[1:]):
+                prods = layer_products(qkv, o, ln2, gu, down, T)
+                if qk_norm is not None or prods is None:
                     args = False  # cached too: the Python layer serves this bucket
                     break
-                (kq, pq, nq, bq), *rest = prods
-                args.append((ln1, kq, pq, nq, bq, *rest[0][:3], ln2, *rest[1][:3], *rest[2][:3]))
+                args.append((ln1, *prods))
             self._layer_args[bucket] = args
         if args is False:
             return None

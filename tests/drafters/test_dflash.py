@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from fakes import decode_fixed_k, short_prompts
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
@@ -156,7 +157,7 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
             return proposals[-1]
 
         drafter.propose = propose
-        res = _decode(tiny, drafter, 4, prompts, SamplingParams(temperature=temperature), max_new=24)
+        res = decode_fixed_k(tiny, drafter, 4, prompts, SamplingParams(temperature=temperature), max_new=24)
         runs.append(([r.token_ids for r in res], proposals))
     (tokens_t, table), (tokens_p, product) = runs
     assert tokens_t == tokens_p and len(table) == len(product) > 2
@@ -196,22 +197,10 @@ def test_wrong_checkpoint_kind_is_refused(tiny, trained):
     assert load_dflash(out, tiny).net.cfg.layout == "dflash"
 
 
-def _decode(target, drafter, k, prompts, params=None, max_new=32, max_batch=8, seed=0):
-    dec = SpeculativeDecoder(target, drafter, FixedK(k), max_batch=max_batch)
-    reqs = [
-        GenerationRequest(p, params or SamplingParams(), max_new, seed=seed + i, id=str(i), ignore_eos=True)
-        for i, p in enumerate(prompts)
-    ]
-    return dec.generate(reqs)
-
-
 def test_confidence_truncation_drafts_less_and_stays_exact(tiny, trained):
     out, _ = trained("dspark")
-    tok = tiny.tokenizer
-    prompts = [
-        tok(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello", "tell me about the sea")
-    ]
-    ar = _decode(tiny, ARDrafter(), 0, prompts)
+    prompts = short_prompts(tiny.tokenizer)
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     drafted = {}
     for thr in (None, 0.3, 1.0):
         drafter = load_dspark(out, tiny, confidence_threshold=thr)
@@ -225,7 +214,7 @@ def test_confidence_truncation_drafts_less_and_stays_exact(tiny, trained):
             return prop
 
         drafter.propose = propose
-        sd = _decode(tiny, drafter, 4, prompts)
+        sd = decode_fixed_k(tiny, drafter, 4, prompts)
         assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
         drafted[thr] = sum(counts) / len(counts)
     assert drafted[1.0] == 0.0 < drafted[0.3] < drafted[None]
@@ -240,7 +229,9 @@ def test_truncated_sampling_matches_the_target_distribution(tiny, trained):
     n = 1200
 
     def draw(drafter, k, base):
-        res = _decode(tiny, drafter, k, [prompt] * n, params=params, max_new=2, max_batch=64, seed=base)
+        res = decode_fixed_k(
+            tiny, drafter, k, [prompt] * n, params=params, max_new=2, max_batch=64, seed=base
+        )
         return {tuple(r.token_ids) for r in res}, [tuple(r.token_ids) for r in res]
 
     _, a = draw(ARDrafter(), 0, 0)
@@ -499,7 +490,7 @@ def test_training_with_qk_norm_and_a_mask_token_gives_an_exportable_drafter(
     exported = export_drafter(out, tmp_path / "spec", target=tiny)
     assert import_drafter(exported, tiny)[0] == method
     drafter = build_drafter(method, tiny, str(out))
-    res = _decode(tiny, drafter, 3, [[1, 2, 3, 4]], max_new=12)[0]
+    res = decode_fixed_k(tiny, drafter, 3, [[1, 2, 3, 4]], max_new=12)[0]
     assert len(res.token_ids) == 12
 
 
