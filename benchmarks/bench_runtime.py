@@ -10,7 +10,9 @@ them alike:
   self CPU time by op name); with `auto` also the row `auto, Python layers`: the same model
   with every layer run op by op from Python, which shows the split inside the layers;
 - the bandwidth ceiling of the format: bytes the products read per one-token step / memory
-  bandwidth measured here (a large copy), and T(1) as a fraction of it.
+  bandwidth measured here (a large copy), and T(1) as a fraction of it;
+- the arithmetic limit of T(8)/T(1): 8 tokens' products at the fastest arithmetic rate measured
+  here (a large fp32 GEMM, or the best kernel of auto's measurement) over the T(1) ceiling.
 Writes `<out>/report.md` and `<out>/results.json`.
 
     python benchmarks/bench_runtime.py --target smollm2-135m --out benchmarks/results/runtime-smollm2-135m
@@ -56,6 +58,28 @@ def _bandwidth_gbs() -> float:
         x.sum()
         best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def _arith_gflops(model) -> dict:
+    """Arithmetic rates measured here (GFLOP/s): a square 2048 fp32 GEMM (torch's BLAS), and the
+    fastest products in `--dtype auto`'s measurement (any kernel, up to LARGE rows: one forward's
+    products, head included, 2 * macs * M flops)."""
+    from specdecode.models.formats import BUCKETS, LARGE
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
+    out = {"fp32 GEMM 2048": best}
+    for k, row in getattr(model, "format_record", {}).get("ms_per_forward", {}).items():
+        for m, ms in zip(BUCKETS, row, strict=False):
+            if ms and m <= LARGE:
+                rate = 2 * model.step_macs() * m / (ms * 1e-3) / 1e9
+                if rate > out.get("products", (0.0,))[0]:
+                    out["products"] = (rate, f"{k} at M={m}")
+    return out
 
 
 def _setup(model):
@@ -132,6 +156,8 @@ def main() -> None:
             splits[f] = {n: _split(m, *state[f], n) for n in (1, 8)}
             _python_layers(m, False)
     bw = _bandwidth_gbs()
+    arith = _arith_gflops(models.get("auto", next(iter(models.values()))))
+    peak = max(v if isinstance(v, float) else v[0] for v in arith.values())
     res = {}
     for f, m in models.items():
         med = {n: statistics.median(v) for n, v in times[f].items()}
@@ -144,13 +170,17 @@ def main() -> None:
             "weight_gb_per_step": gb,
             "ceiling_ms": gb / bw * 1e3,
             "fraction_of_ceiling": (gb / bw * 1e3) / med[1],
+            # products of 8 tokens at the best measured GEMM rate vs one token at the bandwidth
+            # ceiling: the least T(8)/T(1) this machine's arithmetic allows
+            "t8_compute_floor_ms": 2 * 8 * m.step_macs() / (peak * 1e9) * 1e3,
             "split_ms": splits[f],
             "auto_record": getattr(m, "format_record", {}),
         }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": a.target, "bandwidth_gbs": bw, "threads": torch.get_num_threads(),
-            "cpu": _cpu(), "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+    meta = {"target": a.target, "bandwidth_gbs": bw, "arith_gflops": arith, "peak_gflops": peak,
+            "threads": torch.get_num_threads(), "cpu": _cpu(), "torch": torch.__version__,
+            "command": " ".join(sys.argv)}  # fmt: skip
     (out / "results.json").write_text(json.dumps({"meta": meta, "formats": res}, indent=1))
     (out / "report.md").write_text(report(meta, res))
     print((out / "report.md").read_text())
@@ -202,6 +232,30 @@ def report(meta: dict, res: dict) -> str:
                 f"| {f} | {n} | {sp['products']:.1f} | {sp['attention']:.1f} | {sp['one-call layers']:.1f} | "
                 f"{sp['other ops']:.1f} | {sp['python and dispatch']:.1f} | {sp['wall (profiled)']:.1f} |"
             )
+    peak, arith = meta["peak_gflops"], meta["arith_gflops"]
+    fastest = arith.get("products")
+    rates = f"a square 2048 fp32 GEMM (torch) runs at {arith['fp32 GEMM 2048']:.0f} GFLOP/s here" + (
+        f", the fastest products of auto's measurement at {fastest[0]:.0f} ({fastest[1]})" if fastest else ""
+    )
+    lines += [
+        "",
+        f"Arithmetic limit: {rates}. The products of 8 tokens at {peak:.0f} GFLOP/s take at least the "
+        "time below, so T(8)/T(1) is at least that time over T(1): over the bandwidth ceiling for a "
+        "runtime at the ceiling, over ceiling / 0.6 for one at 0.6 of it (the runtime issue's floor "
+        "for T(1)). A slower T(1) lowers the ratio without making anything faster.",
+        "",
+        "| --dtype | T(8) products at that rate | T(1) ceiling | least T(8)/T(1) at the ceiling "
+        "| at 0.6 of it | measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f, r in res.items():
+        if f == PY_LAYERS:
+            continue
+        floor, ceil = r["t8_compute_floor_ms"], r["ceiling_ms"]
+        lines.append(
+            f"| {f} | {floor:.1f} ms | {ceil:.1f} ms | {max(1.0, floor / ceil):.2f} | "
+            f"{max(1.0, floor / (ceil / 0.6)):.2f} | {r['t8_over_t1']:.2f} |"
+        )
     lines += [
         "",
         "One-call layers: `decode_layer` (models/kernels/layer.cpp), a whole decoder layer whose "

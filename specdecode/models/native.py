@@ -234,10 +234,17 @@ class NativeDecoder(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])  # [M, d]
         return self._head(flat).view(*hidden.shape[:-1], -1).float()
 
+    def _products(self) -> list[Linear]:
+        layers = [lin for layer in self._flat for lin in (layer[1], layer[3], layer[5], layer[6])]
+        return layers + [self._head]
+
     def step_weight_bytes(self) -> int:
         """Bytes of weights one one-token step streams: every product's M = 1 copy."""
-        lins = [lin for layer in self._flat for lin in (layer[1], layer[3], layer[5], layer[6])]
-        return sum(lin.nbytes(1) for lin in lins) + self._head.nbytes(1)
+        return sum(lin.nbytes(1) for lin in self._products())
+
+    def step_macs(self) -> int:
+        """Multiply-adds of one token's products (every layer and the head)."""
+        return sum(lin.macs for lin in self._products())
 
     def use_formats(self, plan: FormatPlan) -> None:
         """Run the matrix products in `plan`'s formats; norms, embeddings and the KV cache move

@@ -15,6 +15,7 @@ from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.dflash import DFlash, DFlashConfig, dflash_layers, load_dflash
 from specdecode.drafters.dspark import DSpark, load_dspark
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 from specdecode.policy import FixedK
 from specdecode.training.calibrate import auroc, ece, ece_floor, fit_sts, labels, report, survival
 from specdecode.training.data import load_sequences
@@ -139,17 +140,22 @@ def test_markov_table_gives_the_markov_head():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, monkeypatch, temperature):
-    """The drafter gathers Markov rows from the table, or multiplies by W2 when the table would
-    not fit its memory budget: same drafts, confidences and q, same outputs."""
+    """The drafter gathers Markov rows from the table (greedy: in one compiled call, or slot by
+    slot in Python), or multiplies by W2 when the table would not fit its memory budget: same
+    drafts, confidences and q, same outputs."""
     import specdecode.drafters.dspark.drafter as dspark_drafter
 
     out, _ = trained("dspark")
     prompts = [tiny.tokenizer(t)["input_ids"] for t in ("the cat sat on the mat", "hello world, hello")]
-    runs = []
-    for budget in (dspark_drafter.MARKOV_TABLE_BYTES, 0):
+    runs, chained = [], []
+    table_bytes = dspark_drafter.MARKOV_TABLE_BYTES
+    for budget, op in ((table_bytes, True), (table_bytes, False), (0, True)):
         monkeypatch.setattr(dspark_drafter, "MARKOV_TABLE_BYTES", budget)
         drafter = load_dspark(out, tiny)
         assert (drafter.markov is None) == (budget == 0)
+        if not op:
+            drafter._chain_op = lambda U: None
+        chained.append(bool(drafter._chain_op(torch.zeros(1, 1, 1))))
         proposals, inner = [], drafter.propose
 
         def propose(batch, num_draft, inner=inner, proposals=proposals):
@@ -159,9 +165,12 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
         drafter.propose = propose
         res = decode_fixed_k(tiny, drafter, 4, prompts, SamplingParams(temperature=temperature), max_new=24)
         runs.append(([r.token_ids for r in res], proposals))
-    (tokens_t, table), (tokens_p, product) = runs
-    assert tokens_t == tokens_p and len(table) == len(product) > 2
-    for a, b in zip(table, product, strict=True):
+    if kernels.fused() is not None:
+        assert chained == [True, False, False]  # the compiled pass ran where it applies
+    (tokens_t, table), *others = runs
+    for tokens_o, other in others:
+        assert tokens_t == tokens_o and len(table) == len(other) > 2
+    for a, b in ((a, b) for _, other in others for a, b in zip(table, other, strict=True)):
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
         torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"])
         assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)

@@ -229,3 +229,25 @@ def test_verify_block_rows_sum_their_shared_prefix_together_exactly(ops, N):
     for r in range(G * N):
         one = ops.attention(q[:, :, r : r + 1], k, v, mask[:, :, r : r + 1])
         assert torch.equal(one, got[:, :, r : r + 1]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
+    """markov_argmax == x_k = argmax(u[:, k-1] + table[x_{k-1}]) with off ids at -inf, slot by
+    slot in PyTorch: the same ids, ties included (rounded values make equal sums common)."""
+    g = torch.Generator().manual_seed(3)
+    n, K, V = 3, 6, 50
+    u = (torch.randn(n, K, V, generator=g) * 4).round()  # [n, K, V]
+    table = (torch.randn(V + 1, V, generator=g) * 4).round().to(dtype)  # [V + 1, V]
+    prev = torch.tensor([V, 0, 17])  # the "other" row, and two ids
+    off = torch.zeros(V, dtype=torch.bool)
+    off[[2, 40]] = True
+    for o in (None, off):
+        want, p = [], prev
+        for k in range(K):
+            logits = u[:, k] + table[p].float()
+            p = (logits if o is None else logits.masked_fill(o, float("-inf"))).argmax(-1)
+            want.append(p)
+        assert torch.equal(ops.markov_argmax(u, table, prev, o), torch.stack(want, 1))
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.markov_argmax(u, table, torch.tensor([V + 1, 0, 0]), None)

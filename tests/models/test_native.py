@@ -266,6 +266,18 @@ def test_decode_step_plan_is_lean(tiny_llama_dir):
     assert plan.mask[0, 0, 0, :4].all() and plan.mask[2, 0, 0, :6].all()
 
 
+def test_step_costs_count_every_product(tiny_qwen2_dir):
+    """step_macs: every projection and the head once per token; step_weight_bytes: their fp32
+    weights (each product's copy) read once a step."""
+    model = _load(tiny_qwen2_dir)
+    d, f, h = model.info.hidden_size, model.spec.intermediate_size, model.info.head_dim
+    qkv = d * (model.info.num_heads + 2 * model.info.num_kv_heads) * h
+    per_layer = qkv + model.info.num_heads * h * d + 3 * d * f
+    want = model.info.num_layers * per_layer + model.info.vocab_size * d
+    assert model.step_macs() == want
+    assert model.step_weight_bytes() == 4 * want
+
+
 def test_overflow_and_bad_capture(tiny_llama_dir):
     model = _load(tiny_llama_dir)
     cache = model.new_cache(1, 8)

@@ -9,7 +9,9 @@ Contract:
   over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
   target vocabulary once per round (DFlashDrafter.propose). W2(W1[x]) is read from
   `DSpark.markov_table()` (one row gathered per slot, in the network's format) when the table
-  fits `MARKOV_TABLE_BYTES`, else computed per slot.
+  fits `MARKOV_TABLE_BYTES`, else computed per slot. With every request greedy and no
+  threshold, the pass over a CPU table is one compiled call (`markov_argmax`: the same fp32
+  sums and first-maximum argmax as the per-slot loop, so the same drafts).
 - Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
   slots' state parts, one table entry per slot for the previous token's part), per slot only
   when a threshold needs it, else for all slots after the pass. When every request of the batch
@@ -31,6 +33,7 @@ from specdecode.drafters.dflash.drafter import DFlashDrafter
 from specdecode.drafters.dflash.model import t2d_table
 from specdecode.drafters.dspark.model import DSpark
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 from specdecode.sampling import sample
 
 THRESHOLD_ON = ("survival", "confidence")
@@ -64,6 +67,12 @@ class DSparkDrafter(DFlashDrafter):
         fits = (Vd + 1) * Vd * dtype.itemsize <= MARKOV_TABLE_BYTES
         self.markov = net.markov_table().to(self.device, dtype) if fits else None  # [Vd + 1, Vd]
 
+    def _chain_op(self, U: torch.Tensor):
+        """The compiled greedy Markov pass (`kernels`' markov_argmax) when it applies, else None."""
+        ops = kernels.fused()
+        cpu_f32 = U.device.type == "cpu" and U.dtype == torch.float32
+        return ops.markov_argmax if ops is not None and self.markov is not None and cpu_f32 else None
+
     def _draft(self, batch, idx, states, num):
         net, K, n = self.net, max(num), len(idx)
         num = list(num)
@@ -79,7 +88,11 @@ class DSparkDrafter(DFlashDrafter):
         q = None if greedy else torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
         prevs = torch.zeros(n, K, dtype=torch.long, device=self.device)  # x_{k-1} per slot
         survival = torch.ones(n, device=self.device)
-        for j in range(K):
+        chain = greedy and self.threshold is None and self._chain_op(U)
+        if chain:  # the whole greedy pass in one call, the loop's arithmetic
+            ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]
+            prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
+        for j in range(0 if chain else K):
             prevs[:, j] = prev
             if self.threshold is not None:  # confidences now; without a threshold, after the loop
                 c = torch.sigmoid((z_state[:, j] + self.conf_row[prev]) / temp[j] + bias[j])  # [B']

@@ -12,6 +12,9 @@
 //       (k and v fp32, or both bf16: widened exactly to fp32 as they are read)
 //       -> [B, Hk, R, D]: softmax(q k^T / sqrt(D), masked) v; keys no row of a (b, head) may
 //       see are never read, so padding of ragged batches costs nothing.
+//   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
+//       -> [n, K] int64, a greedy chain: x_0 = prev, x_k = argmax_v u[:, k-1, v] + table[x_{k-1}, v]
+//       over the v not `off` (sums in fp32; the first of equal maxima, as torch.argmax)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -503,7 +506,56 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+template <typename T>
+void markov_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off, int64_t n,
+                  int64_t K, int64_t V, int64_t* ids) {
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t p = prev[i];
+    for (int64_t k = 0; k < K; ++k) {
+      TORCH_CHECK(p >= 0 && p < R, "markov_argmax: previous id ", p, " outside the table's ", R, " rows");
+      const float* ur = u + (i * K + k) * V;
+      const T* row = table + p * V;
+      int64_t arg = -1;
+      float best = 0.f;
+      for (int64_t v = 0; v < V; ++v) {
+        if (off && off[v]) continue;
+        const float s = ur[v] + to_f(row[v]);
+        if (arg < 0 || s > best || (std::isnan(s) && !std::isnan(best))) best = s, arg = v;
+      }
+      ids[i * K + k] = p = std::max<int64_t>(arg, 0);
+    }
+  }
+}
+
+torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
+                            const c10::optional<torch::Tensor>& off) {
+  check_f32(u, "u");
+  TORCH_CHECK(u.dim() == 3 && table.dim() == 2 && table.size(1) == u.size(2), "u [n, K, V], table [R, V]");
+  TORCH_CHECK(prev.dim() == 1 && prev.size(0) == u.size(0) && prev.scalar_type() == torch::kInt64,
+              "prev must be [n] int64");
+  const auto uc = u.contiguous(), tc = table.contiguous(), pc = prev.contiguous();
+  const int64_t n = uc.size(0), K = uc.size(1), V = uc.size(2), R = tc.size(0);
+  torch::Tensor oc;
+  const bool* op = nullptr;
+  if (off.has_value()) {
+    oc = off->contiguous();
+    TORCH_CHECK(oc.scalar_type() == torch::kBool && oc.numel() == V, "off must be [V] bool");
+    op = oc.data_ptr<bool>();
+  }
+  auto ids = torch::empty({n, K}, pc.options());
+  if (tc.scalar_type() == torch::kFloat32) {
+    markov_chain<float>(uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), op, n, K, V,
+                        ids.data_ptr<int64_t>());
+  } else {
+    TORCH_CHECK(tc.scalar_type() == torch::kBFloat16, "table must be float32 or bfloat16");
+    markov_chain<uint16_t>(uc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()),
+                           R, pc.data_ptr<int64_t>(), op, n, K, V, ids.data_ptr<int64_t>());
+  }
+  return ids;
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("markov_argmax(Tensor u, Tensor table, Tensor prev, Tensor? off) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> Tensor[]");
   m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
@@ -517,4 +569,5 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("attention", &attention);
+  m.impl("markov_argmax", &markov_argmax);
 }
