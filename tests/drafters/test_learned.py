@@ -279,9 +279,43 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(tiny_llama_dir, train
         return out
 
     monkeypatch.setattr(type(drafter), fast, counted)
+    if method == "eagle":  # the per-token loop (the one-call chain is tested against it below)
+        monkeypatch.setattr(type(drafter), "_chain_args", lambda self: None)
     whole = decode_fixed_k(target, drafter, 3, prompts)
     monkeypatch.setattr(type(drafter), fast, lambda self, *a, **kw: None)
     modules = decode_fixed_k(target, _drafter(method, trained, target), 3, prompts)
     assert [r.token_ids for r in whole] == [r.token_ids for r in ar] == [r.token_ids for r in modules]
     assert [r.accepted_per_position for r in whole] == [r.accepted_per_position for r in modules]
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)
+
+
+def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, monkeypatch):
+    """A greedy EAGLE-3 round of one request is one `eagle_chain` call when the target's plan
+    runs our kernels: the same draft ids round by round as the per-token loop (whose layers are
+    one decode_layer call each), the same output."""
+    from specdecode.drafters.eagle.drafter import EagleDrafter
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    prompts = short_prompts(target.tokenizer)
+    real = EagleDrafter._chain
+    runs = []
+    for chained in (True, False):
+        drafter, calls, proposals = _drafter("eagle", trained, target), [], []
+        if chained:
+            counted = lambda self, *a, c=calls: c.append(1) or real(self, *a)  # noqa: E731
+            monkeypatch.setattr(EagleDrafter, "_chain", counted)
+        else:
+            monkeypatch.setattr(EagleDrafter, "_chain_args", lambda self: None)
+        inner = drafter.propose
+        drafter.propose = lambda batch, k, inner=inner, p=proposals: p.append(inner(batch, k)) or p[-1]
+        res = decode_fixed_k(target, drafter, 4, prompts, max_batch=1)
+        runs.append(([r.token_ids for r in res], [p.draft_ids.tolist() for p in proposals], len(calls)))
+        monkeypatch.undo()
+    (tokens_c, drafts_c, calls_c), (tokens_l, drafts_l, calls_l) = runs
+    assert calls_c == len(drafts_c) > 3 and calls_l == 0  # every round of the first run chained
+    assert tokens_c == tokens_l and drafts_c == drafts_l

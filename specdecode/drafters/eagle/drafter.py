@@ -15,7 +15,9 @@ Contract:
   rows and the request's earlier draft rows (written past the committed length, never
   committed). When every request of the batch is greedy, each draft is the argmax and the
   proposal carries point masses (`draft_probs` None: what temperature 0 processing gives, and
-  all greedy verification reads) without the processing.
+  all greedy verification reads) without the processing. A greedy round of one request on
+  CPU whose products are our kernels runs the whole chain in one compiled call
+  (`kernels`' eagle_chain: the loop's functions in its order, so the same drafts).
 - Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
@@ -69,6 +71,7 @@ class EagleDrafter(Drafter):
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 3d] features
         self._last: dict[int, torch.Tensor] = {}  # slot -> [d] output state of the last committed row
         self._whole: dict[int, tuple | None] = {}  # rows -> decode_layer's product arguments
+        self._chain_spec: tuple | None | bool = False  # eagle_chain's arguments (False: not looked up)
 
     # ---- slots ----------------------------------------------------------------------------
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -178,6 +181,32 @@ class EagleDrafter(Drafter):
             self._last[slot] = out[i, int(counts[i]) - 1]
             self._pending[slot] = []
 
+    def _chain_args(self) -> tuple | None:
+        """decode_layer's product arguments and the head's product for `kernels`' eagle_chain,
+        when every piece of a greedy chain step runs our compiled kernels; else None."""
+        if self._chain_spec is False:
+            net, ops = self.net, kernels.fused()
+            layer = self._whole.setdefault(1, whole_layer_args(net.attn, net.mlp, net.post_norm, 1))
+            head = getattr(getattr(net.head, "product", None), "ours", lambda rows: None)(1)
+            native = hasattr(self.target, "embed_tokens")
+            ok = ops is not None and hasattr(ops, "eagle_chain") and layer is not None and native
+            ok = ok and head is not None and head[3] is None and self.device.type == "cpu"
+            self._chain_spec = (layer, head[:3]) if ok and self.dtype == torch.float32 else None
+        return self._chain_spec
+
+    def _chain(self, chain: tuple, slot: int, state: torch.Tensor, base: int, k: int) -> torch.Tensor:
+        """K greedy draft ids [K] of one request from its last state [1, d] (eagle_chain)."""
+        (args, norms), head = chain
+        net, c = self.net, self.net.cfg
+        positions = torch.arange(base + 1, base + k)[None]  # [1, K - 1] positions of drafts 0..K-2
+        cs = signed_rope(*rope_table(positions, c.head_dim, c.rope_theta))[0]  # [K - 1, 2, D]
+        return kernels.fused().eagle_chain(
+            state, k, *head, net.norm.weight, self.vocab.off, self.vocab.d2t, self.target.embed_tokens,
+            net.input_norm.weight, net.hidden_norm.weight, *args, cs,
+            self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1], base, c.rms_norm_eps,
+            c.num_heads, c.num_kv_heads, c.head_dim, **norms,
+        )  # fmt: skip
+
     # ---- propose --------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -196,7 +225,10 @@ class EagleDrafter(Drafter):
         base = torch.tensor([self.cache.lengths[s] for s in slots])  # [B']
         state = torch.stack([self._last[s] for s in slots])  # [B', d]
         xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
-        for j in range(max_k):
+        chain = self._chain_args() if greedy and len(idx) == 1 else None
+        if chain is not None:  # the whole greedy chain in one compiled call
+            xs = list(self.vocab.to_target(self._chain(chain, slots[0], state, int(base[0]), max_k))[:, None])
+        for j in range(0 if chain is not None else max_k):
             small = self.net.logits(state)  # [B', Vd]
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 xd = self.vocab.argmax(small)

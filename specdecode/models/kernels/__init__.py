@@ -12,9 +12,10 @@ Contract:
     CPU without AVX512-BF16), then `bf16dp_linear(x [M, K] fp32, packed, N, bias | None)`
     (the AMX product's arithmetic and weight layout, on vector dot-product instructions);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
-    `attention`; contracts in that file);
+    `attention`; contracts in that file), and DSpark's greedy Markov pass `markov_argmax`;
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
-    (those ops and our products, called directly, in the Python path's order; contract there).
+    (those ops and our products, called directly, in the Python path's order; contract there),
+    and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call.
   Each computes a row the same way whatever the number of rows.
 - Both come from one extension, absent when it cannot run here: a non-x86 CPU, no C++
   compiler, a failed build, or a CPU without AVX2 + FMA (that check only keeps the process

@@ -506,23 +506,30 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// The first index of the largest x[v] over the v not `off` (torch.argmax's choice, NaN largest);
+// 0 when every v is off. Shared with layer.cpp's eagle_chain.
+int64_t first_argmax(const float* x, int64_t V, const bool* off) {
+  int64_t arg = -1;
+  float best = 0.f;
+  for (int64_t v = 0; v < V; ++v) {
+    if (off && off[v]) continue;
+    if (arg < 0 || x[v] > best || (std::isnan(x[v]) && !std::isnan(best))) best = x[v], arg = v;
+  }
+  return std::max<int64_t>(arg, 0);
+}
+
 template <typename T>
 void markov_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off, int64_t n,
                   int64_t K, int64_t V, int64_t* ids) {
+  std::vector<float> sums(V);
   for (int64_t i = 0; i < n; ++i) {
     int64_t p = prev[i];
     for (int64_t k = 0; k < K; ++k) {
       TORCH_CHECK(p >= 0 && p < R, "markov_argmax: previous id ", p, " outside the table's ", R, " rows");
       const float* ur = u + (i * K + k) * V;
       const T* row = table + p * V;
-      int64_t arg = -1;
-      float best = 0.f;
-      for (int64_t v = 0; v < V; ++v) {
-        if (off && off[v]) continue;
-        const float s = ur[v] + to_f(row[v]);
-        if (arg < 0 || s > best || (std::isnan(s) && !std::isnan(best))) best = s, arg = v;
-      }
-      ids[i * K + k] = p = std::max<int64_t>(arg, 0);
+      for (int64_t v = 0; v < V; ++v) sums[v] = ur[v] + to_f(row[v]);
+      ids[i * K + k] = p = first_argmax(sums.data(), V, off);
     }
   }
 }

@@ -37,6 +37,7 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& cs, int64_t num_heads);
 torch::Tensor silu_mul(const torch::Tensor& gu);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask);
+int64_t first_argmax(const float* x, int64_t V, const bool* off);
 
 namespace {
 
@@ -88,7 +89,62 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   return xh[0] + product(down_kind, silu_mul(product(gu_kind, xh[1], gu_p, gu_n, none)), down_p, down_n, none);
 }
 
+// EAGLE-3's greedy chain for one request: K draft ids of the draft vocabulary, x_j the first
+// argmax (over the ids not `off`) of head(norm(s_j)); s_0 = state, and for j < K - 1
+// s_{j+1} = decode_layer(s_j, qkv_in = [rms(embed[d2t[x_j]], in_w) ; rms(s_j, hid_w)]) at cache row
+// base + j with the cs row j (RoPE of position base + j + 1), reading rows 0..base + j of k/v
+// [1, Hk, R, D]. The drafter's Python loop (EagleDrafter.propose) calls the same functions in the
+// same order, so the ids are the same; what goes is its ~30 operators per draft token.
+torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p,
+                          int64_t head_n, const torch::Tensor& norm_w, const c10::optional<torch::Tensor>& off,
+                          const torch::Tensor& d2t, const torch::Tensor& embed, const torch::Tensor& in_w,
+                          const torch::Tensor& hid_w, int64_t qkv_kind, const torch::Tensor& qkv_p, int64_t qkv_n,
+                          const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind, const torch::Tensor& o_p,
+                          int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
+                          int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n,
+                          const torch::Tensor& cs, torch::Tensor k, torch::Tensor v, int64_t base, double eps,
+                          int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& q_norm,
+                          const c10::optional<torch::Tensor>& k_norm) {
+  TORCH_CHECK(state.dim() == 2 && state.size(0) == 1 && state.scalar_type() == torch::kFloat32,
+              "state must be [1, d] float32");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && base >= 0 && base + K <= k.size(2) + 1, "k must be [1, Hk, R, D] with room");
+  TORCH_CHECK(cs.dim() == 3 && cs.size(0) >= K - 1, "cs must hold a row per draft but the last");
+  TORCH_CHECK(d2t.scalar_type() == torch::kInt64 && d2t.numel() == head_n, "d2t must be [Vd] int64");
+  const c10::optional<torch::Tensor> none;
+  torch::Tensor offc;
+  const bool* offp = nullptr;
+  if (off.has_value() && off->defined()) {
+    offc = off->contiguous();
+    TORCH_CHECK(offc.scalar_type() == torch::kBool && offc.numel() == head_n, "off must be [Vd] bool");
+    offp = offc.data_ptr<bool>();
+  }
+  const auto d2tc = d2t.contiguous();
+  auto ids = torch::empty({K}, torch::kInt64);
+  int64_t* idp = ids.data_ptr<int64_t>();
+  auto s = state.contiguous();
+  for (int64_t j = 0; j < K; ++j) {
+    const auto logits = product(head_kind, rms_norm(s, norm_w, eps), head_p, head_n, none);  // [1, Vd]
+    const int64_t xd = first_argmax(logits.data_ptr<float>(), head_n, offp);
+    idp[j] = xd;
+    if (j + 1 == K) break;
+    const auto emb = embed.narrow(0, d2tc.data_ptr<int64_t>()[xd], 1).to(torch::kFloat32);  // [1, d]
+    const auto qkv_in = torch::cat({rms_norm(emb, in_w, eps), rms_norm(s, hid_w, eps)}, 1);  // [1, 2d]
+    const int64_t r = base + j;
+    s = decode_layer(s, ln2, qkv_kind, qkv_p, qkv_n, qkv_b, o_kind, o_p, o_n, ln2, gu_kind, gu_p, gu_n, down_kind,
+                     down_p, down_n, cs.narrow(0, j, 1), k.narrow(2, r, 1).transpose(1, 2),
+                     v.narrow(2, r, 1).transpose(1, 2), k.narrow(2, 0, r + 1), v.narrow(2, 0, r + 1), none, eps, H,
+                     Hk, D, qkv_in, q_norm, k_norm);
+  }
+  return ids;
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def(
+      "eagle_chain(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, Tensor? off, "
+      "Tensor d2t, Tensor embed, Tensor in_w, Tensor hid_w, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, "
+      "int o_kind, Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, "
+      "Tensor down_p, int down_n, Tensor cs, Tensor(a!) k, Tensor(b!) v, int base, float eps, int H, int Hk, "
+      "int D, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
   m.def(
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
@@ -96,4 +152,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "float eps, int H, int Hk, int D, Tensor? qkv_in=None, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specdecode, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("eagle_chain", &eagle_chain);
+}
