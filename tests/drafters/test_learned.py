@@ -255,11 +255,14 @@ def test_offline_accuracy_beside_served_acceptance(
         run_comparison(method, tiny, regen_dir, tmp_path, cfg, kw, eval_data=prompts_dir)
 
 
-@pytest.mark.parametrize("method", ["eagle", "dspark", "dflash"])
-def test_drafter_layers_in_one_call_draft_as_their_modules(tiny_llama_dir, trained, method, monkeypatch):
-    """With our kernels in the target's plan, an EAGLE-3 chain step and a DFlash/DSpark block run
-    each drafter layer as one `decode_layer` call: greedy output stays ar's, and the drafts are
-    the ones the Python modules make (same math; only RoPE/attention rounding differs)."""
+@pytest.mark.parametrize(("method", "max_batch"), [("eagle", 8), ("eagle", 1), ("dspark", 8), ("dflash", 8)])
+def test_drafter_layers_in_one_call_draft_as_their_modules(
+    tiny_llama_dir, trained, method, max_batch, monkeypatch
+):
+    """With our kernels in the target's plan, an EAGLE-3 chain step (and, one request at a time,
+    its causal catch-up on committed context) and a DFlash/DSpark block run each drafter layer as
+    one `decode_layer` call: greedy output stays ar's, and the drafts are the ones the Python
+    modules make (same math; only RoPE/attention rounding differs)."""
     from specdecode.models import kernels
     from specdecode.models.formats import BUCKETS, FormatPlan
 
@@ -281,9 +284,9 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(tiny_llama_dir, train
     monkeypatch.setattr(type(drafter), fast, counted)
     if method == "eagle":  # the per-token loop (the one-call chain is tested against it below)
         monkeypatch.setattr(type(drafter), "_chain_args", lambda self: None)
-    whole = decode_fixed_k(target, drafter, 3, prompts)
+    whole = decode_fixed_k(target, drafter, 3, prompts, max_batch=max_batch)
     monkeypatch.setattr(type(drafter), fast, lambda self, *a, **kw: None)
-    modules = decode_fixed_k(target, _drafter(method, trained, target), 3, prompts)
+    modules = decode_fixed_k(target, _drafter(method, trained, target), 3, prompts, max_batch=max_batch)
     assert [r.token_ids for r in whole] == [r.token_ids for r in ar] == [r.token_ids for r in modules]
     assert [r.accepted_per_position for r in whole] == [r.accepted_per_position for r in modules]
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)

@@ -105,8 +105,8 @@ class EagleDrafter(Drafter):
         c = self.net.cfg
         emb = self.target.embed(tok.to(self.target.info.device)).to(self.device, self.dtype)
         cos, sin = rope_table(positions.to(self.device), c.head_dim, c.rope_theta)
-        if visible is None and len(slots) == 1:  # one request's rows r0..r0+N-1: one call
-            out = self._run_whole(slots[0], emb, hidden, rows, cos, sin)
+        if len(slots) == 1:  # one request's rows r0..r0+N-1: one call
+            out = self._run_whole(slots[0], emb, hidden, rows, cos, sin, visible)
             if out is not None:
                 return out
         q, k, v = self.net.attn.qkv(self.net.layer_in(emb, hidden), cos, sin)
@@ -125,10 +125,11 @@ class EagleDrafter(Drafter):
         mask = None if visible is None else visible.to(self.device)
         return self.net.layer_out(hidden, attend(q, keys, values, mask))
 
-    def _run_whole(self, slot, emb, hidden, rows, cos, sin) -> torch.Tensor | None:
+    def _run_whole(self, slot, emb, hidden, rows, cos, sin, visible=None) -> torch.Tensor | None:
         """`_run` for one request whose N new rows are consecutive, as `kernels`' decode_layer
         (same math, one call; its own rounding of RoPE and attention), when the layer's products
-        are our kernels; else None. emb, hidden [1, N, d]; rows [1, N]; cos/sin [1, N, D]."""
+        are our kernels; else None. emb, hidden [1, N, d]; rows [1, N]; cos/sin [1, N, D];
+        visible [1, N, r0 + N] (catch-up: causal) or None (every row sees rows 0..r0+N-1)."""
         net, N = self.net, rows.shape[1]
         r0 = int(rows[0, 0])
         if self.device.type != "cpu" or self.dtype != torch.float32 or int(rows[0, -1]) != r0 + N - 1:
@@ -140,11 +141,15 @@ class EagleDrafter(Drafter):
         args, norms = self._whole[N]
         c = net.cfg
         k, v = self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
-        d = hidden.shape[-1]
+        d, G = hidden.shape[-1], c.num_heads // c.num_kv_heads
+        if visible is not None and visible.shape[-1] != r0 + N:
+            return None
+        # decode_layer's rows are the G query heads of a KV head, N rows each: [1, 1, G * N, span]
+        mask = None if visible is None else visible[0].repeat(G, 1)[None, None].to(self.device)
         out = kernels.fused().decode_layer(
             hidden.reshape(N, d), net.post_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
             k[:, :, r0 : r0 + N].transpose(1, 2), v[:, :, r0 : r0 + N].transpose(1, 2),
-            k[:, :, : r0 + N], v[:, :, : r0 + N], None, c.rms_norm_eps,
+            k[:, :, : r0 + N], v[:, :, : r0 + N], mask, c.rms_norm_eps,
             c.num_heads, c.num_kv_heads, c.head_dim, net.layer_in(emb, hidden).reshape(N, -1), **norms,
         )  # fmt: skip
         return out.view(1, N, d)
