@@ -53,8 +53,9 @@ def _cpu_runs_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
+@cache
 def source_tag() -> str:
-    """Hash of the kernels' sources: part of every cache key that timed them."""
+    """Hash of the kernels' sources (read once a process): part of every cache key that timed them."""
     return hashlib.sha256(b"".join((HERE / s).read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:12]
 
 
