@@ -134,6 +134,8 @@ class EagleDrafter(Drafter):
         r0 = int(rows[0, 0])
         if self.device.type != "cpu" or self.dtype != torch.float32 or int(rows[0, -1]) != r0 + N - 1:
             return None
+        if visible is not None and visible.shape[-1] != r0 + N:
+            return None
         if N not in self._whole:
             self._whole[N] = whole_layer_args(net.attn, net.mlp, net.post_norm, N)
         if self._whole[N] is None:
@@ -142,8 +144,6 @@ class EagleDrafter(Drafter):
         c = net.cfg
         k, v = self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
         d, G = hidden.shape[-1], c.num_heads // c.num_kv_heads
-        if visible is not None and visible.shape[-1] != r0 + N:
-            return None
         # decode_layer's rows are the G query heads of a KV head, N rows each: [1, 1, G * N, span]
         mask = None if visible is None else visible[0].repeat(G, 1)[None, None].to(self.device)
         out = kernels.fused().decode_layer(

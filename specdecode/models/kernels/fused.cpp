@@ -506,6 +506,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// An optional [V] bool mask of ids to skip as a pointer (nullptr when absent); `keep` holds the
+// contiguous copy for as long as the pointer is read. Shared with layer.cpp's eagle_chain.
+const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep) {
+  if (!off.has_value() || !off->defined()) return nullptr;
+  keep = off->contiguous();
+  TORCH_CHECK(keep.scalar_type() == torch::kBool && keep.numel() == V, "off must be [V] bool");
+  return keep.data_ptr<bool>();
+}
+
 // The first index of the largest x[v] over the v not `off` (torch.argmax's choice, NaN largest);
 // 0 when every v is off. Shared with layer.cpp's eagle_chain.
 int64_t first_argmax(const float* x, int64_t V, const bool* off) {
@@ -543,12 +552,7 @@ torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, 
   const auto uc = u.contiguous(), tc = table.contiguous(), pc = prev.contiguous();
   const int64_t n = uc.size(0), K = uc.size(1), V = uc.size(2), R = tc.size(0);
   torch::Tensor oc;
-  const bool* op = nullptr;
-  if (off.has_value()) {
-    oc = off->contiguous();
-    TORCH_CHECK(oc.scalar_type() == torch::kBool && oc.numel() == V, "off must be [V] bool");
-    op = oc.data_ptr<bool>();
-  }
+  const bool* op = off_mask(off, V, oc);
   auto ids = torch::empty({n, K}, pc.options());
   if (tc.scalar_type() == torch::kFloat32) {
     markov_chain<float>(uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), op, n, K, V,

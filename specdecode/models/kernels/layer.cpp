@@ -38,6 +38,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask);
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
+const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
 
 namespace {
 
@@ -112,12 +113,7 @@ torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_ki
   TORCH_CHECK(d2t.scalar_type() == torch::kInt64 && d2t.numel() == head_n, "d2t must be [Vd] int64");
   const c10::optional<torch::Tensor> none;
   torch::Tensor offc;
-  const bool* offp = nullptr;
-  if (off.has_value() && off->defined()) {
-    offc = off->contiguous();
-    TORCH_CHECK(offc.scalar_type() == torch::kBool && offc.numel() == head_n, "off must be [Vd] bool");
-    offp = offc.data_ptr<bool>();
-  }
+  const bool* offp = off_mask(off, head_n, offc);
   const auto d2tc = d2t.contiguous();
   auto ids = torch::empty({K}, torch::kInt64);
   int64_t* idp = ids.data_ptr<int64_t>();
