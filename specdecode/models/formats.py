@@ -26,7 +26,8 @@ Contract:
   differ by rounding only (like bf16 batch effects). `act_dtype` is the dtype activations and
   the KV cache use: bf16 when every kernel of the plan computes in bf16, else fp32.
   `keeps_fp32_weights`: False when every kernel holds its own copy of the weight (the masters
-  may then be bf16, see NativeDecoder).
+  may then be bf16, see NativeDecoder); `bf16_weights`: every kernel reads the weights rounded
+  to bf16.
 * `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
   matrix shapes (random weights, several layers so they do not fit in cache), picks the
   kernel per bucket from as few kernels as possible, at most two (each holds its own copy of
@@ -63,6 +64,7 @@ AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf
 FORCED = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
+_BF16_WEIGHTS = _BF16 | set(OURS)  # kernels whose products see the weights rounded to bf16
 _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
@@ -228,6 +230,12 @@ class FormatPlan:
         `fp32-mkl`); every other kernel holds its own copy, so the weights' masters may be kept
         in bf16 when that loses nothing (NativeDecoder: a 1.5B model's fp32 masters are 6 GB)."""
         return any(k in _MULTIPLY_BY_MASTER for k in self.kernels)
+
+    @property
+    def bf16_weights(self) -> bool:
+        """Whether every kernel of the plan multiplies by the weights rounded to bf16: then bf16
+        masters lose nothing that any product of the plan reads."""
+        return all(k in _BF16_WEIGHTS for k in self.kernels)
 
     @property
     def name(self) -> str:

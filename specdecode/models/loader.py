@@ -114,7 +114,7 @@ def load_model(
     ):
         model = NativeDecoder.from_hf(config, open_checkpoint(path), torch_dtype, dev)
         if fmt:
-            model.use_formats(_plan(fmt, model))
+            model.use_formats(_plan(fmt, model), keep_masters=fmt != "auto")
         if kv_cache_dtype != "auto":
             model.kv_dtype = DTYPES[kv_cache_dtype]
     else:

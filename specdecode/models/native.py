@@ -146,6 +146,7 @@ class NativeDecoder(nn.Module):
         self.plan = forced_plan("bf16" if dtype == torch.bfloat16 else "fp32", device)  # see use_formats
         self.format_record: dict = {}  # what --dtype auto measured (models/formats.py), if it ran
         self.kv_dtype: torch.dtype | None = None  # KV cache dtype of new caches; None: info.dtype
+        self._round_masters = False  # use_formats(keep_masters=False)
         self._refresh()
 
     # -- construction ---------------------------------------------------------------------------
@@ -246,10 +247,15 @@ class NativeDecoder(nn.Module):
         """Multiply-adds of one token's products (every layer and the head)."""
         return sum(lin.macs for lin in self._products())
 
-    def use_formats(self, plan: FormatPlan) -> None:
+    def use_formats(self, plan: FormatPlan, keep_masters: bool = True) -> None:
         """Run the matrix products in `plan`'s formats; norms, embeddings and the KV cache move
-        to its activation dtype (a plain kernel of that dtype reuses the weight without a copy)."""
+        to its activation dtype (a plain kernel of that dtype reuses the weight without a copy).
+        keep_masters=False (the loader's `--dtype auto`: a plan that stays): when every kernel of
+        the plan reads bf16-rounded weights, the fp32 projection masters are rounded to bf16 as
+        well, exact or not: every product sees the same values, and the fp32 copy goes (6 GB of
+        a 1.5B model). A later fp32 plan then multiplies those rounded weights."""
         self.plan = plan
+        self._round_masters = not keep_masters
         if self.norm.dtype != plan.act_dtype:
             self.to(plan.act_dtype)  # _apply rebuilds the products
         else:
@@ -587,7 +593,8 @@ class NativeDecoder(nn.Module):
         if plan.keeps_fp32_weights and plan.act_dtype == torch.float32:
             self._masters_to(torch.float32)  # the fp32 kernels multiply by the masters themselves
         elif not plan.keeps_fp32_weights and self.embed_tokens.device.type == "cpu":
-            self._masters_to(torch.bfloat16)  # every product holds its own copy
+            # every product holds its own copy; inexact masters only when no product reads them
+            self._masters_to(torch.bfloat16, exact=not (self._round_masters and plan.bf16_weights))
         self._flat = [
             (
                 w.ln1,
@@ -606,11 +613,12 @@ class NativeDecoder(nn.Module):
         cpu_fp32 = plan.act_dtype == torch.float32 and self.embed_tokens.device.type == "cpu"
         self._fused = kernels.fused() if cpu_fp32 else None  # None: the stock-PyTorch layer
 
-    def _masters_to(self, dtype: torch.dtype) -> None:
+    def _masters_to(self, dtype: torch.dtype, exact: bool = True) -> None:
         """Hold the projection weights' masters in `dtype` where that is exact: bf16 for a bf16
         checkpoint when the plan's products hold their own copies (2 bytes a parameter saved,
         3 GB for a 1.5B model; a later plan rebuilds from the same values), fp32 again when an
-        fp32 kernel multiplies by the master itself. Norms, embedding and head stay as they are."""
+        fp32 kernel multiplies by the master itself. exact=False rounds fp32 masters to bf16 even
+        where that changes them (use_formats' keep_masters). Norms, embedding and head stay."""
         changed = False
         for layer in self.layers:
             for name in ("w_qkv", "w_o", "w_gu", "w_down"):
@@ -618,7 +626,7 @@ class NativeDecoder(nn.Module):
                 if p.dtype == dtype or p.dtype not in (torch.float32, torch.bfloat16):
                     continue
                 new = p.data.to(dtype)
-                if dtype == torch.float32 or torch.equal(new.float(), p.data):
+                if dtype == torch.float32 or not exact or torch.equal(new.float(), p.data):
                     p.data, changed = new, True
         if changed and dtype == torch.bfloat16:
             release_freed_memory()

@@ -371,6 +371,31 @@ def test_masters_shrink_to_bf16_only_when_exact_and_unread(tiny_llama_dir):
     torch.testing.assert_close(logits(m), fp32_logits, atol=0, rtol=0)
 
 
+def test_masters_round_to_bf16_when_the_plan_stays_and_reads_bf16(tiny_llama_dir):
+    """keep_masters=False (the loader's auto plan): inexact fp32 masters become bf16 only when
+    every kernel reads bf16-rounded weights, and the model computes exactly what it computed
+    with the fp32 masters kept; a plan with a kernel that reads other values keeps them."""
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    bf16w = FormatPlan(("bf16w",) * len(BUCKETS))  # bf16 weights, fp32 activations
+    assert bf16w.bf16_weights and not FormatPlan(("int8",) * len(BUCKETS)).bf16_weights
+    ids, pos = _ids(10, seed=4), torch.arange(10)[None]
+    kept, rounded = _load(tiny_llama_dir), _load(tiny_llama_dir)
+    kept.use_formats(bf16w)
+    rounded.use_formats(bf16w, keep_masters=False)
+    assert kept.layers[0].w_qkv.dtype == torch.float32  # inexact: kept by default
+    names = ("w_qkv", "w_down")
+    assert all(getattr(layer, n).dtype == torch.bfloat16 for layer in rounded.layers for n in names)
+    out = [m.forward(ids, pos, m.new_cache(1, 16), [0]).logits for m in (kept, rounded)]
+    torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)
+    int8 = _load(tiny_llama_dir)
+    int8.use_formats(FormatPlan(("int8",) * len(BUCKETS)), keep_masters=False)
+    assert int8.layers[0].w_qkv.dtype == torch.float32  # int8 quantizes the fp32 values
+
+
 @pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_qwen2_dir"])  # qwen2: QKV bias
 @pytest.mark.parametrize("kv", ["auto", "bf16"])
 def test_whole_layer_call_equals_the_python_layer(kind, kv, request, monkeypatch):
