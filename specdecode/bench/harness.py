@@ -20,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -116,6 +117,15 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str, dtype: torch.dtype, device: str):
+    """One transformers model per (path, dtype, device), shared by the peers of a process (the
+    plain, assisted and lookup peers run the same target: one copy, not three)."""
+    from transformers import AutoModelForCausalLM  # deferred: heavy, only the peers use it
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
 class TransformersPeer:
     """transformers `generate` (plain, assisted with a draft model, or prompt lookup), batch 1,
     same dtype and process as our runs. Decode time excludes prefill: the time to the first
@@ -124,18 +134,11 @@ class TransformersPeer:
     def __init__(
         self, kind: str, target_path, drafter_path, dtype: torch.dtype, device: torch.device | str = "cpu"
     ):
-        # Deferred: transformers is heavy and only the peers use it directly.
-        from transformers import AutoModelForCausalLM
-
         if kind not in PEERS:
             raise SpecDecodeError(f"unknown peer {kind!r}; choose from: {', '.join(PEERS)}")
         self.kind = kind
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device).eval()
-        self.assistant = None
-        if kind == "hf-assisted":
-            self.assistant = (
-                AutoModelForCausalLM.from_pretrained(str(drafter_path), dtype=dtype).to(device).eval()
-            )
+        self.model = _hf_model(str(target_path), dtype, str(device))
+        self.assistant = _hf_model(str(drafter_path), dtype, str(device)) if kind == "hf-assisted" else None
 
     @torch.inference_mode()
     def run(self, ids: list[int], max_new: int, temperature: float = 0.0, seed: int = 0) -> dict:
