@@ -255,14 +255,16 @@ def test_offline_accuracy_beside_served_acceptance(
         run_comparison(method, tiny, regen_dir, tmp_path, cfg, kw, eval_data=prompts_dir)
 
 
-@pytest.mark.parametrize(("method", "max_batch"), [("eagle", 8), ("eagle", 1), ("dspark", 8), ("dflash", 8)])
+@pytest.mark.parametrize(
+    ("method", "max_batch"), [("eagle", 8), ("eagle", 1), ("dspark", 8), ("dflash", 8), ("mtp", 8)]
+)
 def test_drafter_layers_in_one_call_draft_as_their_modules(
     tiny_llama_dir, trained, method, max_batch, monkeypatch
 ):
     """With our kernels in the target's plan, an EAGLE-3 chain step (and, one request at a time,
-    its causal catch-up on committed context) and a DFlash/DSpark block run each drafter layer as
-    one `decode_layer` call: greedy output stays ar's, and the drafts are the ones the Python
-    modules make (same math; only RoPE/attention rounding differs)."""
+    its causal catch-up on committed context), an MTP module's rows and a DFlash/DSpark block run
+    each drafter layer as one `decode_layer` call: greedy output stays ar's, and the drafts are
+    the ones the Python modules make (same math; only RoPE/attention rounding differs)."""
     from specdecode.models import kernels
     from specdecode.models.formats import BUCKETS, FormatPlan
 
@@ -273,7 +275,7 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(
     prompts = short_prompts(target.tokenizer)
     ar = decode_fixed_k(target, ARDrafter(), 0, prompts)
     drafter = _drafter(method, trained, target)
-    fast = "_run_whole" if method == "eagle" else "_block_whole"
+    fast = "_run_whole" if method in ("eagle", "mtp") else "_block_whole"
     real, used = getattr(type(drafter), fast), []
 
     def counted(self, *a, **kw):
@@ -290,6 +292,35 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(
     assert [r.token_ids for r in whole] == [r.token_ids for r in ar] == [r.token_ids for r in modules]
     assert [r.accepted_per_position for r in whole] == [r.accepted_per_position for r in modules]
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)
+
+
+def test_mtp_rows_in_one_call_equal_the_modules(tiny_llama_dir, trained, monkeypatch):
+    """An MTP module over N rows as one decode_layer call computes the Python modules' states
+    (causal over the new rows: a row never sees a later one), for N = 1 and N = 5."""
+    import torch
+
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    drafter = _drafter("mtp", trained, target)
+    drafter.setup(1, 64)
+    gen = torch.Generator().manual_seed(0)
+    d = drafter.net.cfg.hidden_size
+    for n in (1, 5):
+        h = torch.randn(n, d, generator=gen)
+        tok = torch.randint(0, 400, (n,), generator=gen).tolist()
+        outs = []
+        for whole in (True, False):
+            if not whole:
+                monkeypatch.setattr(type(drafter), "_run_whole", lambda self, *a, **kw: None)
+            drafter.start(0, [1])
+            outs.append(drafter._run(2, 0, h, tok, 0, commit=False))
+        monkeypatch.undo()
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=1e-3)
 
 
 def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, monkeypatch):

@@ -7,7 +7,8 @@ Contract:
   previous depth's draft-time states and the drafts so far, written past the committed rows
   and never committed. Per slot it keeps the states h^k of committed rows (`hist[k]`).
 - Drafts are sampled left to right from each module's processed q (the request's sampling,
-  full-vocabulary q returned for rejection sampling); at most D drafts per round. Requests are
+  full-vocabulary q returned for rejection sampling); at most D drafts per round. When every
+  request is greedy, each draft is the argmax and the proposal carries point masses (no q). Requests are
   drafted one at a time (their depths' committed lengths differ).
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
 """
@@ -17,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal
-from specdecode.drafters.layers import DraftVocab, attend, rope_table
+from specdecode.drafters.layers import DraftVocab, attend, cpu_plan, rope_table, signed_rope, whole_layer_args
+from specdecode.models import formats, kernels
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
@@ -38,8 +40,11 @@ class MTPDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
         self.net.attach_head(target.model.lm_head_weight())
+        plan = cpu_plan(target)  # the head rows [Vd, d] as one product in the measured formats
+        self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
         self.caches: list[KVCache] = []
         self.hist: dict[int, list[torch.Tensor]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
+        self._whole: dict[tuple[int, int], tuple | None] = {}  # (module, rows) -> decode_layer's args
 
     def setup(self, num_slots: int, max_len: int) -> None:
         c = self.net.cfg
@@ -84,6 +89,11 @@ class MTPDrafter(Drafter):
         )  # token t_{i+k} sits at i + k
         cos, sin = rope_table(pos, cfg.head_dim, cfg.rope_theta)
         x = mod.inp(h_prev[None], emb)
+        out = self._run_whole(k, slot, x, base, cos, sin)
+        if out is not None:
+            if commit:
+                cache.commit(slot, n)
+            return out
         q, kk, v = mod.qkv(x, cos, sin)
         cache.k[0][slot, :, base : base + n] = kk[0].transpose(0, 1)
         cache.v[0][slot, :, base : base + n] = v[0].transpose(0, 1)
@@ -98,6 +108,31 @@ class MTPDrafter(Drafter):
             cache.commit(slot, n)
         return out
 
+    def _run_whole(self, k: int, slot: int, x, base: int, cos, sin) -> torch.Tensor | None:
+        """Module k's block over N rows at cache rows base.. (causal), as `kernels`' decode_layer
+        (same math, one call; its own rounding of RoPE and attention), when the block's products
+        are our kernels; else None. x [1, N, d] block input; cos/sin [1, N, D] -> [N, d]."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        cfg, mod, cache = self.net.cfg, self.net.mods[k - 1], self.caches[k - 1]
+        N, d = x.shape[1], x.shape[2]
+        if (k, N) not in self._whole:
+            self._whole[(k, N)] = whole_layer_args(mod.attn, mod.mlp, mod.mlp_norm, N)
+        if self._whole[(k, N)] is None:
+            return None
+        args, norms = self._whole[(k, N)]
+        kc, vc = cache.k[0][slot : slot + 1], cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
+        mask = None  # one row sees every row up to its own; N rows: causal, G query heads each
+        if N > 1:
+            vis = torch.arange(base + N)[None, :] <= (base + torch.arange(N))[:, None]  # [N, base+N]
+            mask = vis.repeat(cfg.num_heads // cfg.num_kv_heads, 1)[None, None]
+        return kernels.fused().decode_layer(
+            x.reshape(N, d), mod.attn_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
+            kc[:, :, base : base + N].transpose(1, 2), vc[:, :, base : base + N].transpose(1, 2),
+            kc[:, :, : base + N], vc[:, :, : base + N], mask, cfg.rms_norm_eps,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, None, **norms,
+        )  # fmt: skip
+
     def _catch_up(self, row: DraftRow) -> None:
         """Commit module k's rows for positions whose token t_{i+k} is known (i <= n - k)."""
         hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
@@ -109,9 +144,15 @@ class MTPDrafter(Drafter):
             out = self._run(k, row.slot, hist[k - 1][c : end + 1], toks[c + k : end + k + 1], c, commit=True)
             hist[k] = torch.cat([hist[k], out])
 
+    def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
+        """Module k's draft-vocabulary logits [1, Vd] of one state [d] (MTP.logits' function)."""
+        if self._head is None:
+            return self.net.logits(k, state[None])
+        return self._head(self.net.mods[k - 1].out_norm(state[None])).float()
+
     def _q(self, k: int, state: torch.Tensor, row: DraftRow) -> torch.Tensor:
         """Module k's processed q over the draft vocabulary, [Vd]."""
-        return self.vocab.probs(self.net.logits(k, state[None])[:, None], [row.params])[0, 0]
+        return self.vocab.probs(self._logits(k, state)[:, None], [row.params])[0, 0]
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
@@ -123,8 +164,9 @@ class MTPDrafter(Drafter):
         if not idx:
             return empty_proposal(len(batch))
         max_k = min(D, max(num_draft[b] for b in idx))
+        greedy = all(batch[b].params.greedy for b in idx)  # point masses: no q, no probabilities
         ids = torch.zeros(len(batch), max_k, dtype=torch.long)
-        probs = torch.zeros(len(batch), max_k, self.vocab_rows)
+        probs = None if greedy else torch.zeros(len(batch), max_k, self.vocab_rows)
         num = torch.zeros(len(batch), dtype=torch.long)
         for b in idx:
             row, hist = batch[b], self.hist[batch[b].slot]
@@ -143,11 +185,15 @@ class MTPDrafter(Drafter):
                         break  # too early in the sequence for this depth
                     spec = self._run(k, row.slot, h_prev, toks, first, commit=False)
                     state = spec[-1]
-                q = self._q(k, state, row)
-                u = torch.rand((), generator=row.generator)
-                x = int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0])
+                if greedy:  # the point mass at the argmax: what temperature 0 processing gives
+                    x = int(self.vocab.to_target(self.vocab.argmax(self._logits(k, state)))[0])
+                else:
+                    q = self._q(k, state, row)
+                    u = torch.rand((), generator=row.generator)
+                    x = int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0])
+                    probs[b, k - 1] = self.vocab.to_full(q).cpu()
                 drafts.append(x)
-                ids[b, k - 1], probs[b, k - 1] = x, self.vocab.to_full(q).cpu()
+                ids[b, k - 1] = x
                 spec_prev = spec if k > 1 else hist[1][n:n]  # depth 1 has no draft-time rows
             num[b] = len(drafts)
         return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
