@@ -125,7 +125,15 @@ def test_large_buckets_race_only_the_kernels_near_the_fastest(monkeypatch):
     assert out["slow"][1] is None and out["fp32"][1] > 0  # left out of the large bucket
 
 
-def test_auto_measures_once_per_machine(tmp_path, monkeypatch):
+SHAPES, HEAD = [(96, 64), (64, 64), (256, 64), (64, 128)], (448, 64)  # a tiny layer's products
+
+
+def _count_measurements(tmp_path, monkeypatch, busy: bool) -> list:
+    """A fresh format cache and a counted one-repeat measure_kernels (one entry per call). The
+    share of the cores the measurement's threads get is faked: none (`busy`) or all of them, so
+    whether a record is final never depends on what else the test machine runs."""
+    import time
+
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     calls = []
     real = formats.measure_kernels
@@ -135,10 +143,18 @@ def test_auto_measures_once_per_machine(tmp_path, monkeypatch):
         return real(*args, **kw, repeats=1, buckets=BUCKETS)
 
     monkeypatch.setattr(formats, "measure_kernels", counted)
-    shapes, head = [(96, 64), (64, 64), (256, 64), (64, 128)], (448, 64)
+    threads = torch.get_num_threads()
+    clock = (lambda: 0.0) if busy else (lambda: time.perf_counter() * threads)
+    monkeypatch.setattr(formats.time, "process_time", clock)
+    return calls
+
+
+def test_auto_measures_once_per_machine(tmp_path, monkeypatch):
+    calls = _count_measurements(tmp_path, monkeypatch, busy=False)
+    shapes, head = SHAPES, HEAD
     plan, rec = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
     again, _ = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
-    assert calls == [1] and again == plan
+    assert calls == [1] and again == plan and rec["cpu_share"] >= formats.QUIET_SHARE
     assert set(rec["ms_per_forward"]) == set(formats.AUTO_CANDIDATES)
     assert all(k in formats.AUTO_CANDIDATES for k in plan.kernels)  # never a quantized format
     assert list((tmp_path / "formats").glob("*.json"))
@@ -205,17 +221,8 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again(tmp_path, monkeypat
     """A measurement whose threads got little of the cores (faked here by a process clock that
     stands still) is provisional: the next load measures again, the quieter record stays, and
     after MAX_ATTEMPTS the cached plan is used as it is."""
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    calls = []
-    real = formats.measure_kernels
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw, repeats=1, buckets=BUCKETS)
-
-    monkeypatch.setattr(formats, "measure_kernels", counted)
-    monkeypatch.setattr(formats.time, "process_time", lambda: 0.0)  # no CPU time: a busy machine
-    shapes, head = [(96, 64), (64, 64), (256, 64), (64, 128)], (448, 64)
+    calls = _count_measurements(tmp_path, monkeypatch, busy=True)
+    shapes, head = SHAPES, HEAD
     for n in range(1, formats.MAX_ATTEMPTS + 2):
         _, rec = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
         assert len(calls) == min(n, formats.MAX_ATTEMPTS) and rec["cpu_share"] < formats.QUIET_SHARE
