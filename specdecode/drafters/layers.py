@@ -29,7 +29,8 @@ Contract:
   computed once per step for all the shifts that read it.
 - `whole_layer_args(attn, mlp, post_norm, rows)`: a drafter layer's products for `kernels`'
   decode_layer (one call a layer at inference; None where its products are not our kernels);
-  `signed_rope(cos, sin)` the RoPE table that call reads.
+  `signed_rope(cos, sin)` the RoPE table that call reads; `layer_call(...)` that call for one
+  request's consecutive new rows of its cache slot.
 - `HF_LAYER_NAMES`: a drafter layer's parameter names -> a Hugging Face decoder layer's;
   `QK_NORM_NAMES` the same for the optional per-head q/k norms.
 - `DraftConfig`: base of every drafter's architecture dataclass: `to_json()` / `from_json(d)`
@@ -260,6 +261,33 @@ def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, ro
         return None
     norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight} if attn.qk_norm else {}
     return prods, norms
+
+
+def layer_call(
+    x: torch.Tensor,  # [N, d] the layer's residual input
+    ln1: torch.Tensor,  # [d] attention-input norm (unused when qkv_in is given)
+    layer_args: tuple,  # whole_layer_args(...) for N rows
+    cs: torch.Tensor,  # [N, 2, D] signed_rope table of the new rows' positions
+    k: torch.Tensor,  # [1, Hk, R, D] one request's key cache slot (a view: written in place)
+    v: torch.Tensor,  # [1, Hk, R, D] its value cache slot
+    r0: int,  # the new rows are cache rows r0 .. r0 + N - 1
+    cfg,  # num_heads, num_kv_heads, head_dim, rms_norm_eps
+    visible: torch.Tensor | None = None,  # [N, r0 + N] bool; None: every row sees rows 0..r0+N-1
+    qkv_in: torch.Tensor | None = None,  # [N, in] the attention input itself (EAGLE-3's fused one)
+) -> torch.Tensor:
+    """`kernels`' decode_layer for one request's N consecutive new rows: writes their keys and
+    values at rows r0.., attends over rows 0..r0+N-1 (`visible` repeated over the G query heads
+    of a KV head, decode_layer's row order) -> [N, d] the layer's output."""
+    args, norms = layer_args
+    N = x.shape[0]
+    mask = None
+    if visible is not None:
+        mask = visible.repeat(cfg.num_heads // cfg.num_kv_heads, 1)[None, None]  # [1, 1, G*N, r0+N]
+    return kernels.fused().decode_layer(
+        x, ln1, *args, cs, k[:, :, r0 : r0 + N].transpose(1, 2), v[:, :, r0 : r0 + N].transpose(1, 2),
+        k[:, :, : r0 + N], v[:, :, : r0 + N], mask, cfg.rms_norm_eps,
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qkv_in, **norms,
+    )  # fmt: skip
 
 
 def cpu_plan(target) -> formats.FormatPlan | None:

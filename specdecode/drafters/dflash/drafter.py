@@ -36,11 +36,11 @@ from specdecode.drafters.layers import (
     DraftVocab,
     PlannedLinear,
     cpu_plan,
+    layer_call,
     rope_table,
     signed_rope,
     whole_layer_args,
 )
-from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
@@ -152,17 +152,12 @@ class DFlashDrafter(Drafter):
         args = self._whole[Bk]
         if None in args:
             return None
-        c, call = net.cfg, kernels.fused().decode_layer
+        c = net.cfg
         cs = signed_rope(*rope_table(pos[0].to(self.device), c.head_dim, c.rope_theta))  # [Bk, 2, D]
         h = block[0]  # [Bk, d]
         for i, layer in enumerate(net.layers):
             k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]
-            a, norms = args[i]
-            h = call(
-                h, layer.input_norm.weight, *a, cs, k[:, :, T : T + Bk].transpose(1, 2),
-                v[:, :, T : T + Bk].transpose(1, 2), k[:, :, : T + Bk], v[:, :, : T + Bk], None,
-                c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, **norms,
-            )  # fmt: skip
+            h = layer_call(h, layer.input_norm.weight, args[i], cs, k, v, T, c)
         return net.norm(h)[None]
 
     # ---- propose --------------------------------------------------------------------------

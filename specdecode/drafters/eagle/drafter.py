@@ -36,7 +36,14 @@ import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
 from specdecode.drafters.eagle.model import Eagle3
-from specdecode.drafters.layers import DraftVocab, attend, rope_table, signed_rope, whole_layer_args
+from specdecode.drafters.layers import (
+    DraftVocab,
+    attend,
+    layer_call,
+    rope_table,
+    signed_rope,
+    whole_layer_args,
+)
 from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
@@ -140,17 +147,12 @@ class EagleDrafter(Drafter):
             self._whole[N] = whole_layer_args(net.attn, net.mlp, net.post_norm, N)
         if self._whole[N] is None:
             return None
-        args, norms = self._whole[N]
-        c = net.cfg
         k, v = self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
-        d, G = hidden.shape[-1], c.num_heads // c.num_kv_heads
-        # decode_layer's rows are the G query heads of a KV head, N rows each: [1, 1, G * N, span]
-        mask = None if visible is None else visible[0].repeat(G, 1)[None, None].to(self.device)
-        out = kernels.fused().decode_layer(
-            hidden.reshape(N, d), net.post_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
-            k[:, :, r0 : r0 + N].transpose(1, 2), v[:, :, r0 : r0 + N].transpose(1, 2),
-            k[:, :, : r0 + N], v[:, :, : r0 + N], mask, c.rms_norm_eps,
-            c.num_heads, c.num_kv_heads, c.head_dim, net.layer_in(emb, hidden).reshape(N, -1), **norms,
+        d, cs = hidden.shape[-1], signed_rope(cos, sin).reshape(N, 2, -1)
+        vis = None if visible is None else visible[0].to(self.device)  # [N, r0 + N]
+        out = layer_call(
+            hidden.reshape(N, d), net.post_norm.weight, self._whole[N], cs, k, v, r0, net.cfg, vis,
+            qkv_in=net.layer_in(emb, hidden).reshape(N, -1),
         )  # fmt: skip
         return out.view(1, N, d)
 

@@ -18,8 +18,16 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal
-from specdecode.drafters.layers import DraftVocab, attend, cpu_plan, rope_table, signed_rope, whole_layer_args
-from specdecode.models import formats, kernels
+from specdecode.drafters.layers import (
+    DraftVocab,
+    attend,
+    cpu_plan,
+    layer_call,
+    rope_table,
+    signed_rope,
+    whole_layer_args,
+)
+from specdecode.models import formats
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
@@ -120,18 +128,14 @@ class MTPDrafter(Drafter):
             self._whole[(k, N)] = whole_layer_args(mod.attn, mod.mlp, mod.mlp_norm, N)
         if self._whole[(k, N)] is None:
             return None
-        args, norms = self._whole[(k, N)]
         kc, vc = cache.k[0][slot : slot + 1], cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
-        mask = None  # one row sees every row up to its own; N rows: causal, G query heads each
+        vis = None  # one row sees every row up to its own; N rows: causal
         if N > 1:
             vis = torch.arange(base + N)[None, :] <= (base + torch.arange(N))[:, None]  # [N, base+N]
-            mask = vis.repeat(cfg.num_heads // cfg.num_kv_heads, 1)[None, None]
-        return kernels.fused().decode_layer(
-            x.reshape(N, d), mod.attn_norm.weight, *args, signed_rope(cos, sin).reshape(N, 2, -1),
-            kc[:, :, base : base + N].transpose(1, 2), vc[:, :, base : base + N].transpose(1, 2),
-            kc[:, :, : base + N], vc[:, :, : base + N], mask, cfg.rms_norm_eps,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, None, **norms,
-        )  # fmt: skip
+        cs = signed_rope(cos, sin).reshape(N, 2, -1)
+        return layer_call(
+            x.reshape(N, d), mod.attn_norm.weight, self._whole[(k, N)], cs, kc, vc, base, cfg, vis
+        )
 
     def _catch_up(self, row: DraftRow) -> None:
         """Commit module k's rows for positions whose token t_{i+k} is known (i <= n - k)."""
