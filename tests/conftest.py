@@ -13,6 +13,9 @@
 * `hf_reference(dir)`: the same directory loaded by transformers in fp32 (cached).
 * `smollm2_dir`: the real SmolLM2-135M asset, skipped only if it cannot be installed.
 * `tiny_target`: `tiny_llama_dir` loaded in fp32 on the CPU (session-wide; tests only read it).
+* `quiet_measurements` (autouse, session): cached machine measurements (`specdecode.measured`)
+  count as taken on a quiet machine, so no test depends on what else the machine runs; the
+  tests of that rule fake the share themselves.
 * `start_server(target, ...)`: the OpenAI-compatible server on a free loopback port, with its
   client and helpers to stop it, wait until no slot is held, and slow its steps down.
 """
@@ -148,6 +151,16 @@ def make_model_dir(kind: str, path: Path, tokenizer_dir: Path, seed: int = 0, **
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_measurements():
+    from specdecode import measured
+
+    real = measured.run_with_share
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
+        yield real  # the real timing, for the test of it
 
 
 @pytest.fixture(scope="session")

@@ -36,9 +36,9 @@ Contract:
   caches the measurement and the plan as JSON under
   `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count, the
   shapes and the sources of our own kernels. No CPU flag is read to decide: a kernel that is
-  slow or refused here loses. A measurement during which our threads got under `QUIET_SHARE`
-  of the cores (other work running) is provisional: the next loads measure again, up to
-  `MAX_ATTEMPTS` in all, and the quietest measurement stays.
+  slow or refused here loses. A measurement taken while other work shared the cores is
+  provisional: the next loads measure again and the quietest one stays
+  (`specdecode.measured`).
 * `forced_plan(name)` gives one format everywhere (`fp32`, `bf16`, `int8`, `int4`).
 """
 
@@ -48,7 +48,6 @@ import bisect
 import hashlib
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ import torch
 
 from specdecode.assets import cache_dir
 from specdecode.errors import SpecDecodeError
+from specdecode.measured import cached_measurement
 from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
@@ -71,8 +71,6 @@ _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp3
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
 MAX_COPIES = 2  # kernels (copies of every weight) in one plan: a 1.5B model's bf16 copy is 3 GB
-QUIET_SHARE = 0.8  # CPU time / (wall x threads) while measuring; below, other work took the cores
-MAX_ATTEMPTS = 3  # a plan measured on a busy machine is measured again at the next loads, this often
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -434,33 +432,19 @@ def auto_plan(
     ]
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
     path = cache_dir() / "formats" / f"{key}.json"
-    old = json.loads(path.read_text()) if path.exists() else None  # no cpu_share: measured again
-    final = old is not None and (
-        old.get("cpu_share", 0.0) >= QUIET_SHARE or old.get("attempts", 1) >= MAX_ATTEMPTS
-    )
-    if final:
-        return FormatPlan(tuple(old["plan"]["kernels"])), old
-    wall, cpu = time.perf_counter(), time.process_time()
-    profile = measure_kernels(shapes, head, num_layers)
-    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    plan = plan_from_profile(profile)
-    rec = {
-        "plan": plan.to_json(),
-        "name": plan.name,
-        "ms_per_forward": profile,
-        "cpu": _cpu_model(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "load_average": os.getloadavg()[0],  # other work running while this was measured
-        "cpu_share": round(share, 3),  # of the cores our threads got while measuring
-        "attempts": 1 if old is None else old.get("attempts", 1) + 1,
-    }
-    if old is not None and old.get("cpu_share", 0.0) > rec["cpu_share"]:  # the quieter one stays
-        rec = {**old, "attempts": rec["attempts"]}
-        plan = FormatPlan(tuple(old["plan"]["kernels"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, path)
-    return plan, rec
+
+    def measure() -> dict:
+        profile = measure_kernels(shapes, head, num_layers)
+        plan = plan_from_profile(profile)
+        return {
+            "plan": plan.to_json(),
+            "name": plan.name,
+            "ms_per_forward": profile,
+            "cpu": _cpu_model(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
+
+    rec = cached_measurement(path, measure)
+    return FormatPlan(tuple(rec["plan"]["kernels"])), rec

@@ -6,6 +6,8 @@ JSON under `<cache_dir>/profiles/`, keyed by the model's fingerprint, dtype, wei
 (`info.format`), device, torch version, CPU capability, thread count and the sources of our
 compiled kernels, so a machine measures once and later runs make the same draft-length
 decisions (a seeded sampled run stays reproducible), and a faster runtime is measured anew.
+Every profile here is a `specdecode.measured` record: one measured while other work shared the
+cores is provisional and measured again at the next uses (the quietest stays).
 
 Why: whether verifying K extra tokens is nearly free depends on the hardware. With AMX (or a
 GPU) a bf16 forward of 8 tokens costs about one of 1 token; on an AVX2-only CPU it costs ~5x.
@@ -24,8 +26,6 @@ the same way, under a key that also names the grid.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdecode.assets import cache_dir
+from specdecode.measured import cached_measurement
 from specdecode.models import kernels
 
 CONTEXT = 256
@@ -80,14 +81,20 @@ def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
 
 
 def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
-    """Cached `measure_step_costs` (re-measured when more tokens are asked for)."""
+    """Cached `measure_step_costs` (measured again when more tokens are asked for, or when the
+    cached one was taken on a busy machine: `specdecode.measured`)."""
     path = cache_dir() / "profiles" / f"{_key(model, fingerprint)}.json"
-    costs = _read(path).get("costs")
-    if isinstance(costs, list) and len(costs) >= max_tokens:
-        return costs[:max_tokens]
-    costs = measure_step_costs(model, max_tokens)
-    _write(path, {"costs": costs, "dtype": str(model.info.dtype), "device": str(model.info.device)})
-    return costs
+    rec = cached_measurement(
+        path,
+        lambda: {
+            "costs": measure_step_costs(model, max_tokens),
+            "dtype": str(model.info.dtype),
+            "device": str(model.info.device),
+        },
+        valid=lambda old: isinstance(old.get("costs"), list) and len(old["costs"]) >= max_tokens,
+        cpu=model.info.device.type == "cpu",
+    )
+    return rec["costs"][:max_tokens]
 
 
 def draft_round_costs(
@@ -100,33 +107,20 @@ def draft_round_costs(
     cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
     """
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
-    path = cache_dir() / "profiles" / f"draft-{key}.json"
-    rec = _read(path)
-    if "fixed_s" in rec and "per_token_s" in rec:
-        return rec["fixed_s"], rec["per_token_s"]
-    one = round_seconds(1)
-    full = round_seconds(k) if k > 1 else one
-    per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
-    fixed = max(one - per_token, 0.0)
-    _write(path, {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full})
-    return fixed, per_token
 
+    def measure() -> dict:
+        one = round_seconds(1)
+        full = round_seconds(k) if k > 1 else one
+        per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
+        fixed = max(one - per_token, 0.0)
+        return {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}
 
-def _read(path) -> dict:
-    """A cached profile record, or {} when it is missing or unreadable."""
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return rec if isinstance(rec, dict) else {}
-
-
-def _write(path, rec: dict) -> None:
-    """Write a profile record atomically (concurrent processes may measure the same thing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, path)
+    rec = cached_measurement(
+        cache_dir() / "profiles" / f"draft-{key}.json",
+        measure,
+        valid=lambda old: "fixed_s" in old and "per_token_s" in old,
+    )
+    return rec["fixed_s"], rec["per_token_s"]
 
 
 def _sync(dev: torch.device) -> None:
@@ -197,9 +191,14 @@ def batch_step_costs(
     grid = f"v2|rows={list(rows)}|blocks={list(blocks)}|contexts={list(contexts)}"
     key = hashlib.sha256(f"{_key(model, fingerprint)}|{grid}".encode()).hexdigest()[:24]
     path = cache_dir() / "profiles" / f"batch-{key}.json"
-    data = _read(path)
-    if data.get("grid") == grid and "times" in data:
-        return data["times"]
-    times = measure_batch_costs(model, rows, blocks, contexts)
-    _write(path, {"grid": grid, "times": times, "dtype": str(model.info.dtype)})
-    return times
+    rec = cached_measurement(
+        path,
+        lambda: {
+            "grid": grid,
+            "times": measure_batch_costs(model, rows, blocks, contexts),
+            "dtype": str(model.info.dtype),
+        },
+        valid=lambda old: old.get("grid") == grid and "times" in old,
+        cpu=model.info.device.type == "cpu",
+    )
+    return rec["times"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdecode import measured
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
 from specdecode.drafters.ar import ARDrafter
@@ -132,7 +133,6 @@ def _count_measurements(tmp_path, monkeypatch, busy: bool) -> list:
     """A fresh format cache and a counted one-repeat measure_kernels (one entry per call). The
     share of the cores the measurement's threads get is faked: none (`busy`) or all of them, so
     whether a record is final never depends on what else the test machine runs."""
-    import time
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     calls = []
@@ -143,9 +143,7 @@ def _count_measurements(tmp_path, monkeypatch, busy: bool) -> list:
         return real(*args, **kw, repeats=1, buckets=BUCKETS)
 
     monkeypatch.setattr(formats, "measure_kernels", counted)
-    threads = torch.get_num_threads()
-    clock = (lambda: 0.0) if busy else (lambda: time.perf_counter() * threads)
-    monkeypatch.setattr(formats.time, "process_time", clock)
+    monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 0.0 if busy else 1.0))
     return calls
 
 
@@ -154,7 +152,7 @@ def test_auto_measures_once_per_machine(tmp_path, monkeypatch):
     shapes, head = SHAPES, HEAD
     plan, rec = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
     again, _ = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
-    assert calls == [1] and again == plan and rec["cpu_share"] >= formats.QUIET_SHARE
+    assert calls == [1] and again == plan and rec["cpu_share"] >= measured.QUIET_SHARE
     assert set(rec["ms_per_forward"]) == set(formats.AUTO_CANDIDATES)
     assert all(k in formats.AUTO_CANDIDATES for k in plan.kernels)  # never a quantized format
     assert list((tmp_path / "formats").glob("*.json"))
@@ -223,10 +221,10 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again(tmp_path, monkeypat
     after MAX_ATTEMPTS the cached plan is used as it is."""
     calls = _count_measurements(tmp_path, monkeypatch, busy=True)
     shapes, head = SHAPES, HEAD
-    for n in range(1, formats.MAX_ATTEMPTS + 2):
+    for n in range(1, measured.MAX_ATTEMPTS + 2):
         _, rec = formats.auto_plan(shapes, head, 2, torch.device("cpu"))
-        assert len(calls) == min(n, formats.MAX_ATTEMPTS) and rec["cpu_share"] < formats.QUIET_SHARE
+        assert len(calls) == min(n, measured.MAX_ATTEMPTS) and rec["cpu_share"] < measured.QUIET_SHARE
     (path,) = (tmp_path / "formats").glob("*.json")
     path.write_text(json.dumps({**rec, "cpu_share": 0.95, "attempts": 1}))  # measured quietly
     formats.auto_plan(shapes, head, 2, torch.device("cpu"))
-    assert len(calls) == formats.MAX_ATTEMPTS  # a quiet record is final at once
+    assert len(calls) == measured.MAX_ATTEMPTS  # a quiet record is final at once
