@@ -353,3 +353,87 @@ def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, train
     (tokens_c, drafts_c, calls_c), (tokens_l, drafts_l, calls_l) = runs
     assert calls_c == len(drafts_c) > 3 and calls_l == 0  # every round of the first run chained
     assert tokens_c == tokens_l and drafts_c == drafts_l
+
+
+def test_mtp_deep_modules_catch_up_only_when_a_round_drafts_deep(tiny, trained, monkeypatch):
+    """A round that drafts K tokens catches up MTP modules 1..K alone; a deeper module catches
+    up on every row it skipped when a later round drafts that deep. Its drafts are those of a
+    drafter that kept every module caught up (same ids round by round, sampled included)."""
+    from specdecode.drafters.mtp.drafter import MTPDrafter
+    from specdecode.policy.base import DraftPolicy
+
+    class Cycle(DraftPolicy):  # K 1, 1, 1, 3, 1, 2, 3, ... the same sequence for every request
+        k_max, ks = 3, [1, 1, 1, 3, 1, 2, 3, 1, 1, 1, 1, 3]
+
+        def choose(self, states):
+            for st in states:
+                st.steps_at_zero += 1
+            return [self.ks[(st.steps_at_zero - 1) % len(self.ks)] for st in states]
+
+    def run(drafter, params):
+        seen = []
+        real = drafter.propose
+
+        def propose(batch, num_draft):
+            p = real(batch, num_draft)
+            seen.append((p.draft_ids.tolist(), [int(drafter.caches[2].lengths[r.slot]) for r in batch]))
+            return p
+
+        drafter.propose = propose
+        dec = SpeculativeDecoder(tiny, drafter, Cycle(), max_batch=3)
+        prompts = short_prompts(tiny.tokenizer)
+        reqs = [
+            GenerationRequest(p, params, 24, seed=i, id=str(i), ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        return [r.token_ids for r in dec.generate(reqs)], seen
+
+    full = MTPDrafter._catch_up
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        lazy_out, lazy = run(_drafter("mtp", trained, tiny), params)
+        with monkeypatch.context() as m:
+            m.setattr(MTPDrafter, "_catch_up", lambda self, row, depth: full(self, row, len(self.net.mods)))
+            eager_out, eager = run(_drafter("mtp", trained, tiny), params)
+        assert lazy_out == eager_out and [ids for ids, _ in lazy] == [ids for ids, _ in eager]
+        lag = [
+            a < b for (_, la), (_, le) in zip(lazy, eager, strict=True) for a, b in zip(la, le, strict=True)
+        ]
+        assert any(lag)  # module 3 did wait in some rounds
+
+
+def test_mtp_drafts_one_module_deeper_after_a_fully_accepted_round(tiny, trained):
+    """A request's first round drafts with module 1 alone; each round whose drafts were all
+    accepted at the request's depth lets the next go one module deeper (up to D, as far as K
+    allows). A module below that depth never runs: its cache stays empty (no catch-up over a
+    long prompt for modules a weak drafter never reaches)."""
+    drafter = _drafter("mtp", trained, tiny)
+    rounds = collections.defaultdict(list)  # slot -> [drafts, accepted, deeper modules' lengths]
+    real_propose, real_advance = drafter.propose, drafter.advance
+
+    def propose(batch, num_draft):
+        deeper = [[int(c.lengths[r.slot]) for c in drafter.caches[1:]] for r in batch]
+        p = real_propose(batch, num_draft)
+        for b, r in enumerate(batch):
+            rounds[r.slot].append([int(p.num_draft[b]), None, deeper[b]])
+        return p
+
+    def advance(batch, proposal, verdicts, target_out):
+        for r, v in zip(batch, verdicts, strict=True):
+            rounds[r.slot][-1][1] = v.num_accepted
+        return real_advance(batch, proposal, verdicts, target_out)
+
+    drafter.propose, drafter.advance = propose, advance
+    prompts = [tiny.tokenizer(t)["input_ids"] for t in ("the cat", "the dog ran to the", "the cat sat")]
+    out = decode_fixed_k(tiny, drafter, 3, prompts, max_new=40)
+    assert [r.token_ids for r in out] == [
+        r.token_ids for r in decode_fixed_k(tiny, ARDrafter(), 0, prompts, max_new=40)
+    ]
+    for seen in rounds.values():
+        depth = 1
+        for k, accepted, deeper in seen:
+            assert k <= depth  # K 3 asked for every round: the depth bounds it (fewer: too early)
+            assert all(n == 0 for n in deeper[depth - 1 :])  # modules below the depth never ran
+            if accepted == k == depth:
+                depth = min(depth + 1, 3)
+    assert max(k for seen in rounds.values() for k, _, _ in seen) == 3  # the tiny drafter gets there
+    assert min(max(k for k, _, _ in seen) for seen in rounds.values()) < 3  # and not always

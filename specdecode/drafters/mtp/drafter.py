@@ -10,6 +10,10 @@ Contract:
   full-vocabulary q returned for rejection sampling); at most D drafts per round. When every
   request is greedy, each draft is the argmax and the proposal carries point masses (no q). Requests are
   drafted one at a time (their depths' committed lengths differ).
+- Depth grows with evidence: a request drafts with module 1 alone at first, and one module
+  deeper after each round whose drafts were all accepted at its current depth (`reach`). A
+  round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS`, the largest
+  our kernels take whole), so a weak drafter never runs its deep modules over a long prompt.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
 """
 
@@ -33,6 +37,8 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
 
+CATCH_UP_ROWS = 64  # rows of a catch-up call: the largest block the drafting kernels' plan serves
+
 
 class MTPDrafter(Drafter):
     name = "mtp"
@@ -52,6 +58,7 @@ class MTPDrafter(Drafter):
         self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
         self.caches: list[KVCache] = []
         self.hist: dict[int, list[torch.Tensor]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
+        self.reach: dict[int, int] = {}  # slot -> deepest module it may draft with
         self._whole: dict[tuple[int, int], tuple | None] = {}  # (module, rows) -> decode_layer's args
 
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -76,11 +83,13 @@ class MTPDrafter(Drafter):
         self.hist[slot] = [h0.to(self.device, self.dtype)] + [
             torch.zeros(0, d, dtype=self.dtype, device=self.device) for _ in self.net.mods
         ]
+        self.reach[slot] = 1
         for c in self.caches:
             c.reset(slot)
 
     def stop(self, slot: int) -> None:
         self.hist.pop(slot, None)
+        self.reach.pop(slot, None)
 
     @torch.no_grad()
     def _run(self, k: int, slot: int, h_prev, tok: list[int], first_pos: int, commit: bool) -> torch.Tensor:
@@ -137,16 +146,22 @@ class MTPDrafter(Drafter):
             x.reshape(N, d), mod.attn_norm.weight, self._whole[(k, N)], cs, kc, vc, base, cfg, vis
         )
 
-    def _catch_up(self, row: DraftRow) -> None:
-        """Commit module k's rows for positions whose token t_{i+k} is known (i <= n - k)."""
+    def _catch_up(self, row: DraftRow, depth: int) -> None:
+        """Commit module k's rows (k = 1..depth) for positions whose token t_{i+k} is known
+        (i <= n - k). Deeper modules wait until a round drafts that deep: a probe that drafts
+        one token after many rounds without drafts runs module 1 alone."""
         hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
-        for k in range(1, len(self.net.mods) + 1):
+        for k in range(1, depth + 1):
             c = self.caches[k - 1].lengths[row.slot]
             end = min(n - k, hist[k - 1].shape[0] - 1)  # last position to commit
-            if end < c:
-                continue
-            out = self._run(k, row.slot, hist[k - 1][c : end + 1], toks[c + k : end + k + 1], c, commit=True)
-            hist[k] = torch.cat([hist[k], out])
+            outs = [hist[k]]
+            for c0 in range(c, end + 1, CATCH_UP_ROWS):  # a prompt in blocks our kernels take whole
+                c1 = min(end + 1, c0 + CATCH_UP_ROWS)
+                outs.append(
+                    self._run(k, row.slot, hist[k - 1][c0:c1], toks[c0 + k : c1 + k], c0, commit=True)
+                )
+            if len(outs) > 1:
+                hist[k] = torch.cat(outs)
 
     def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Module k's draft-vocabulary logits [1, Vd] of one state [d] (MTP.logits' function)."""
@@ -162,19 +177,20 @@ class MTPDrafter(Drafter):
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         D = len(self.net.mods)
         idx = [b for b, k in enumerate(num_draft) if k > 0]
+        depth = {b: min(D, num_draft[b], self.reach[batch[b].slot]) for b in idx}
         for b in idx:
-            self._catch_up(batch[b])
+            self._catch_up(batch[b], depth[b])
         idx = [b for b in idx if self.hist[batch[b].slot][1].shape[0] >= len(batch[b].token_ids) - 1 > 0]
         if not idx:
             return empty_proposal(len(batch))
-        max_k = min(D, max(num_draft[b] for b in idx))
+        max_k = max(depth[b] for b in idx)
         greedy = all(batch[b].params.greedy for b in idx)  # point masses: no q, no probabilities
         ids = torch.zeros(len(batch), max_k, dtype=torch.long)
         probs = None if greedy else torch.zeros(len(batch), max_k, self.vocab_rows)
         num = torch.zeros(len(batch), dtype=torch.long)
         for b in idx:
             row, hist = batch[b], self.hist[batch[b].slot]
-            n, K = len(row.token_ids) - 1, min(D, num_draft[b])
+            n, K = len(row.token_ids) - 1, depth[b]
             drafts: list[int] = []
             spec_prev = None  # depth k-1 draft-time states at positions n-k+2 .. n-1
             for k in range(1, K + 1):
@@ -205,5 +221,8 @@ class MTPDrafter(Drafter):
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         h = target_out.hidden[FINAL_NORM]  # [B, N, d]
         for b, row in enumerate(batch):
+            k = int(proposal.num_draft[b])
+            if k and k == self.reach[row.slot] and verdicts[b].num_accepted == k:  # reached bottom
+                self.reach[row.slot] = min(self.reach[row.slot] + 1, len(self.net.mods))
             new = h[b, : verdicts[b].num_accepted + 1].to(self.device, self.dtype)
             self.hist[row.slot][0] = torch.cat([self.hist[row.slot][0], new])
