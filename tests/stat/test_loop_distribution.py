@@ -100,7 +100,7 @@ def _mtp(peaked):
             mod.attn.o_proj.weight *= 0.1
             mod.mlp.down_proj.weight *= 0.1
             mod.out_norm.weight.fill_(3.0)
-    return MTPDrafter(net.eval(), target)
+    return MTPDrafter(net.eval(), target, start_depth=K)  # the law's first round drafts K
 
 
 def _eagle(peaked, tree: bool):

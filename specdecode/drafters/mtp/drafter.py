@@ -11,7 +11,8 @@ Contract:
   request is greedy, each draft is the argmax and the proposal carries point masses (no q). Requests are
   drafted one at a time (their depths' committed lengths differ).
 - Depth grows with evidence: a request drafts with module 1 alone at first, and one module
-  deeper after each round whose drafts were all accepted at its current depth (`reach`). A
+  deeper after each round whose drafts were all accepted at its current depth (`reach`;
+  `start_depth` > 1 starts deeper, e.g. to test the law of K-draft rounds from the first). A
   round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS`, the largest
   our kernels take whole), so a weak drafter never runs its deep modules over a long prompt.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
@@ -45,11 +46,12 @@ class MTPDrafter(Drafter):
     deterministic = False
     needs_hidden = (FINAL_NORM,)
 
-    def __init__(self, model, target, cost_per_token: float = 0.1):
+    def __init__(self, model, target, cost_per_token: float = 0.1, start_depth: int = 1):
         self.net = model.eval()
         self.target = target.model
         self.vocab_size, self.vocab_rows = target.vocab_size, target.model.info.vocab_size
         self.cost_per_token = cost_per_token
+        self.start_depth = max(1, min(start_depth, len(model.mods)))
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
@@ -83,7 +85,7 @@ class MTPDrafter(Drafter):
         self.hist[slot] = [h0.to(self.device, self.dtype)] + [
             torch.zeros(0, d, dtype=self.dtype, device=self.device) for _ in self.net.mods
         ]
-        self.reach[slot] = 1
+        self.reach[slot] = self.start_depth
         for c in self.caches:
             c.reset(slot)
 
