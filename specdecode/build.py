@@ -214,7 +214,8 @@ def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
     ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k)]
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     ident.append(_drafting_code_tag())  # faster drafting code is measured anew
-    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n))
+    cpu = tgt.model.info.device.type == "cpu"
+    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu)
 
 
 def build(options: LoadOptions) -> SpecDecode:

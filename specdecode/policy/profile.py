@@ -98,13 +98,14 @@ def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
 
 
 def draft_round_costs(
-    ident: Sequence[str], k: int, round_seconds: Callable[[int], float]
+    ident: Sequence[str], k: int, round_seconds: Callable[[int], float], cpu: bool = True
 ) -> tuple[float, float]:
     """(fixed, per token) seconds of a drafting round: round(K) ~ fixed + K * per_token.
 
     `round_seconds(K)` times rounds that draft K tokens; it runs at K = 1 and K = k once per
     `ident` (what the cost depends on: the drafter's architecture, the target, the machine),
     cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
+    `cpu=False`: the rounds run on a device, the host's share of the cores says nothing.
     """
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
 
@@ -119,6 +120,7 @@ def draft_round_costs(
         cache_dir() / "profiles" / f"draft-{key}.json",
         measure,
         valid=lambda old: "fixed_s" in old and "per_token_s" in old,
+        cpu=cpu,
     )
     return rec["fixed_s"], rec["per_token_s"]
 
