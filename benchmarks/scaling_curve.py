@@ -1,5 +1,6 @@
 """What data buys: served tau of DSpark, DFlash and EAGLE-3 against the number of regenerated
-sequences they were trained on, at the same compute for every point.
+sequences they were trained on, at the same compute for every point or with compute growing
+with the data.
 
 For each size n of `--sizes` (`all` = every training sequence): the first n sequences of a seeded
 shuffle of the regenerated answers (smaller sets are prefixes of larger ones) go to a run
@@ -7,8 +8,11 @@ directory, the methods train side by side from scratch on it (`specdecode train 
 target forward per step) for `--steps` steps of `--tokens-per-batch` tokens, and each drafter is
 served in the real speculative loop on the held-out prompts (fixed K, greedy and T = 1): tau and
 acceptance per draft position. Points already in OUT.json are skipped, and a killed training
-resumes, so the curve grows across sessions. OUT.md and OUT.png are rewritten from all points,
-beside the published points (other targets, other compute: context, not a comparison).
+resumes (checkpoints every 20 steps), so the curve grows across sessions. `--steps` is one
+number (the same compute at every size) or one per size, `300:150,3000:300,all:1200` (compute
+growing with the data). A run is keyed by sequences and steps, so a point both series share is
+trained once and listed in each. OUT.md and OUT.png are rewritten from all points, beside
+the published points (other targets, other compute: context, not a comparison).
 
 Usage: OMP_NUM_THREADS=2 python benchmarks/scaling_curve.py --data runs/data/regen-smollm2 \
            --eval-data runs/data/prompts --runs runs/scaling --out benchmarks/results/scaling-smollm2-135m
@@ -49,9 +53,25 @@ def subset(data: Path, n: int | None, dst: Path, seed: int) -> int:
     return len(lines)
 
 
+def steps_by_size(spec: str, sizes: list[str]) -> dict[str, int]:
+    """`--steps`: one count for every size, or `size:steps,...` naming each size of `--sizes`."""
+    if ":" not in spec:
+        return {size: int(spec) for size in sizes}
+    table = dict(item.split(":") for item in spec.split(","))
+    missing = [size for size in sizes if size not in table]
+    if missing:
+        raise SystemExit(f"--steps names no step count for size(s) {', '.join(missing)}: add SIZE:STEPS")
+    return {size: int(table[size]) for size in sizes}
+
+
 def served(target, drafter, prompts, k: int, max_new: int, temperature: float) -> dict:
     r = evaluate(drafter, target, prompts, k, max_new, temperature)
     return {"tau": round(r["tau"], 3), "acceptance": [round(a, 3) for a in r["acceptance"]]}
+
+
+def series_of(point: dict) -> str:
+    """The curve a point belongs to: one step count for every size, or steps growing with data."""
+    return point.get("series", f"{point['steps']} steps each")
 
 
 def write_report(out: Path, points: list[dict]) -> None:
@@ -63,16 +83,17 @@ def write_report(out: Path, points: list[dict]) -> None:
     lines = [
         "# What data buys: served tau against regenerated sequences (benchmarks/scaling_curve.py)",
         "",
-        "Each point trains from scratch at the same compute (steps x tokens per step); tau in the",
-        "real speculative loop on held-out prompts, fixed K, greedy and T = 1.",
+        "Each point trains from scratch (compute = steps x tokens per step: the same at every size in",
+        "one series, growing with the data in the other); tau in the real speculative loop on",
+        "held-out prompts, fixed K, greedy and T = 1.",
         "",
-        "| sequences | method | steps | tokens/step | tau greedy | tau T=1 "
+        "| sequences | method | series | steps | tokens/step | tau greedy | tau T=1 "
         "| acceptance per position (greedy) | train s | machine |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in sorted(points, key=lambda p: (p["sequences"], p["method"])):
+    for p in sorted(points, key=lambda p: (series_of(p), p["sequences"], p["method"])):
         lines.append(
-            f"| {p['sequences']} | {p['method']} | {p['steps']} | {p['tokens_per_batch']} "
+            f"| {p['sequences']} | {p['method']} | {series_of(p)} | {p['steps']} | {p['tokens_per_batch']} "
             f"| {p['greedy']['tau']} | {p['t1']['tau']} | {p['greedy']['acceptance']} | {p['train_s']} "
             f"| {p['machine']} |"
         )
@@ -82,12 +103,20 @@ def write_report(out: Path, points: list[dict]) -> None:
     lines += ["", "Commands:", ""] + [f"- `{c}`" for c in cmds]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for m in sorted({p["method"] for p in points}):
-        pts = sorted((p for p in points if p["method"] == m), key=lambda p: p["sequences"])
+    for m, series in sorted({(p["method"], series_of(p)) for p in points}):
+        pts = sorted(
+            (p for p in points if p["method"] == m and series_of(p) == series), key=lambda p: p["sequences"]
+        )
         xs = [p["sequences"] for p in pts]
-        (line,) = ax.plot(xs, [p["greedy"]["tau"] for p in pts], marker="o", label=f"{m} greedy")
+        label = f"{m}, {series}"
+        (line,) = ax.plot(xs, [p["greedy"]["tau"] for p in pts], marker="o", label=f"{label}, greedy")
         ax.plot(
-            xs, [p["t1"]["tau"] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{m} T=1"
+            xs,
+            [p["t1"]["tau"] for p in pts],
+            marker="x",
+            ls="--",
+            color=line.get_color(),
+            label=f"{label}, T=1",
         )
     for label, n, tau in PUBLISHED:
         ax.scatter([n], [tau], marker="*", s=90, color="grey")
@@ -108,7 +137,7 @@ def main() -> None:
     ap.add_argument("--eval-data", required=True, help="prompt set with heldout.jsonl")
     ap.add_argument("--methods", default="dspark,dflash,eagle")
     ap.add_argument("--sizes", default="300,1000,3000,10000,all")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", default="150", help="steps per point, or SIZE:STEPS per size")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-prompts", type=int, default=12)
@@ -127,23 +156,35 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out",)
     )
     machine = cpu_kind()
-    for size in a.sizes.split(","):
+    sizes = a.sizes.split(",")
+    steps = steps_by_size(a.steps, sizes)
+    for size in sizes:
         n = None if size == "all" else int(size)
         data = Path(a.runs) / f"data-{size}"
         count = subset(Path(a.data), n, data, a.seed)
-        todo = [
-            m
-            for m in methods
-            if not any(p["method"] == m and p["sequences"] == count and p["steps"] == a.steps for p in points)
-        ]
+        series = "steps growing with data" if ":" in a.steps else f"{steps[size]} steps each"
+        todo = []
+        for m in methods:
+            runs = [
+                p
+                for p in points
+                if p["method"] == m and p["sequences"] == count and p["steps"] == steps[size]
+            ]
+            if not runs:
+                todo.append(m)
+            elif not any(series_of(p) == series for p in runs):
+                points.append({**runs[0], "series": series})  # trained once, listed in both series
+                out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
+                write_report(out, points)
         if not todo:
             continue
-        run_dir = Path(a.runs) / f"train-{size}-{a.steps}"
+        run_dir = Path(a.runs) / f"train-{size}-{steps[size]}"
         cfg = TrainConfig(
             out_dir=str(run_dir),
-            steps=a.steps,
+            steps=steps[size],
             lr=a.lr,
-            warmup_steps=max(1, a.steps // 15),
+            warmup_steps=max(1, steps[size] // 15),
+            checkpoint_every=20,
             tokens_per_batch=a.tokens_per_batch,
             eval_prompts=0,
             seed=a.seed,
@@ -159,8 +200,9 @@ def main() -> None:
             point = {
                 "sequences": count,
                 "method": m,
-                "steps": a.steps,
+                "steps": steps[size],
                 "tokens_per_batch": a.tokens_per_batch,
+                "series": series,
                 "greedy": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 0.0),
                 "t1": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 1.0),
                 "train_s": train_s,
