@@ -401,11 +401,14 @@ def test_mtp_deep_modules_catch_up_only_when_a_round_drafts_deep(tiny, trained, 
         assert any(lag)  # module 3 did wait in some rounds
 
 
-def test_mtp_drafts_one_module_deeper_after_a_fully_accepted_round(tiny, trained):
-    """A request's first round drafts with module 1 alone; each round whose drafts were all
-    accepted at the request's depth lets the next go one module deeper (up to D, as far as K
-    allows). A module below that depth never runs: its cache stays empty (no catch-up over a
-    long prompt for modules a weak drafter never reaches)."""
+def test_mtp_drafts_one_module_deeper_once_its_depth_is_accepted_often(tiny, trained):
+    """A request's first round drafts with module 1 alone; it goes one module deeper (up to D,
+    as far as K allows) once the rounds drafted at its depth were fully accepted often enough:
+    (fully accepted + 1) / (rounds + 2) >= GROW_AT, counted afresh at each depth. A module below
+    that depth never runs: its cache stays empty (no catch-up over a long prompt for modules a
+    weak drafter never reaches)."""
+    from specdecode.drafters.mtp.drafter import GROW_AT
+
     drafter = _drafter("mtp", trained, tiny)
     rounds = collections.defaultdict(list)  # slot -> [drafts, accepted, deeper modules' lengths]
     real_propose, real_advance = drafter.propose, drafter.advance
@@ -428,12 +431,18 @@ def test_mtp_drafts_one_module_deeper_after_a_fully_accepted_round(tiny, trained
     assert [r.token_ids for r in out] == [
         r.token_ids for r in decode_fixed_k(tiny, ARDrafter(), 0, prompts, max_new=40)
     ]
+    stayed = 0  # rounds fully accepted at a depth that did not (yet) earn the next one
     for seen in rounds.values():
-        depth = 1
+        depth, full, tried = 1, 0, 0
         for k, accepted, deeper in seen:
             assert k <= depth  # K 3 asked for every round: the depth bounds it (fewer: too early)
             assert all(n == 0 for n in deeper[depth - 1 :])  # modules below the depth never ran
-            if accepted == k == depth:
-                depth = min(depth + 1, 3)
+            if k == depth < 3:
+                full, tried = full + (accepted == k), tried + 1
+                if (full + 1) / (tried + 2) >= GROW_AT:
+                    depth, full, tried = depth + 1, 0, 0
+                else:
+                    stayed += accepted == k
+    assert stayed > 0  # one fully accepted round alone did not always earn a module
     assert max(k for seen in rounds.values() for k, _, _ in seen) == 3  # the tiny drafter gets there
     assert min(max(k for k, _, _ in seen) for seen in rounds.values()) < 3  # and not always

@@ -5,14 +5,18 @@ Contract:
   at position i needs token t_{i+k}, so its KV cache is committed only up to position n - k
   (x_n = the last committed token); the rows past that are drafted each round from the
   previous depth's draft-time states and the drafts so far, written past the committed rows
-  and never committed. Per slot it keeps the states h^k of committed rows (`hist[k]`).
+  and never committed. Per slot it keeps the states h^k of committed rows (`hist[k]`, `Rows`:
+  appended in place, so a long context costs no copy a step).
 - Drafts are sampled left to right from each module's processed q (the request's sampling,
   full-vocabulary q returned for rejection sampling); at most D drafts per round. When every
   request is greedy, each draft is the argmax and the proposal carries point masses (no q). Requests are
   drafted one at a time (their depths' committed lengths differ).
 - Depth grows with evidence: a request drafts with module 1 alone at first, and one module
-  deeper after each round whose drafts were all accepted at its current depth (`reach`;
-  `start_depth` > 1 starts deeper, e.g. to test the law of K-draft rounds from the first). A
+  deeper once the rounds drafted at its current depth show the deepest draft accepted often:
+  (accepted + 1) / (drafted + 2) >= `GROW_AT` over those rounds (two of two, four of five...;
+  `reach`; `start_depth` > 1 starts deeper, e.g. to test the law of K-draft rounds from the
+  first). One lucky round does not make a weak drafter catch a deeper module up over a long
+  prompt (on a 1,754-token prompt module 2's catch-up takes ~100 ms, ~4 target steps). A
   round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS`, the largest
   our kernels take whole), so a weak drafter never runs its deep modules over a long prompt.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
@@ -38,6 +42,7 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.verify import Verdict
 
+GROW_AT = 0.7  # posterior mean of the deepest draft's acceptance that earns one module more
 CATCH_UP_ROWS = 64  # rows of a catch-up call: blocks our fused layer takes whole under the
 # measured plans seen so far (longer blocks fall back to the Python attention over the block)
 
@@ -60,8 +65,9 @@ class MTPDrafter(Drafter):
         plan = cpu_plan(target)  # the head rows [Vd, d] as one product in the measured formats
         self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
         self.caches: list[KVCache] = []
-        self.hist: dict[int, list[torch.Tensor]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
+        self.hist: dict[int, list[Rows]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
         self.reach: dict[int, int] = {}  # slot -> deepest module it may draft with
+        self.evidence: dict[int, list[int]] = {}  # slot -> [accepted, drafted] at depth reach
         self._whole: dict[tuple[int, int], tuple | None] = {}  # (module, rows) -> decode_layer's args
 
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -83,16 +89,17 @@ class MTPDrafter(Drafter):
         d = self.net.cfg.hidden_size
         h0 = (hidden or {}).get(FINAL_NORM)
         h0 = torch.zeros(0, d) if h0 is None else h0
-        self.hist[slot] = [h0.to(self.device, self.dtype)] + [
-            torch.zeros(0, d, dtype=self.dtype, device=self.device) for _ in self.net.mods
+        self.hist[slot] = [Rows(h0.to(self.device, self.dtype))] + [
+            Rows(torch.zeros(0, d, dtype=self.dtype, device=self.device)) for _ in self.net.mods
         ]
-        self.reach[slot] = self.start_depth
+        self.reach[slot], self.evidence[slot] = self.start_depth, [0, 0]
         for c in self.caches:
             c.reset(slot)
 
     def stop(self, slot: int) -> None:
         self.hist.pop(slot, None)
         self.reach.pop(slot, None)
+        self.evidence.pop(slot, None)
 
     @torch.no_grad()
     def _run(self, k: int, slot: int, h_prev, tok: list[int], first_pos: int, commit: bool) -> torch.Tensor:
@@ -156,15 +163,11 @@ class MTPDrafter(Drafter):
         hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
         for k in range(1, depth + 1):
             c = self.caches[k - 1].lengths[row.slot]
-            end = min(n - k, hist[k - 1].shape[0] - 1)  # last position to commit
-            outs = [hist[k]]
+            end = min(n - k, len(hist[k - 1]) - 1)  # last position to commit
             for c0 in range(c, end + 1, CATCH_UP_ROWS):  # a prompt in blocks our kernels take whole
                 c1 = min(end + 1, c0 + CATCH_UP_ROWS)
-                outs.append(
-                    self._run(k, row.slot, hist[k - 1][c0:c1], toks[c0 + k : c1 + k], c0, commit=True)
-                )
-            if len(outs) > 1:
-                hist[k] = torch.cat(outs)
+                prev = hist[k - 1].view[c0:c1]
+                hist[k].append(self._run(k, row.slot, prev, toks[c0 + k : c1 + k], c0, commit=True))
 
     def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Module k's draft-vocabulary logits [1, Vd] of one state [d] (MTP.logits' function)."""
@@ -183,7 +186,7 @@ class MTPDrafter(Drafter):
         depth = {b: min(D, num_draft[b], self.reach[batch[b].slot]) for b in idx}
         for b in idx:
             self._catch_up(batch[b], depth[b])
-        idx = [b for b in idx if self.hist[batch[b].slot][1].shape[0] >= len(batch[b].token_ids) - 1 > 0]
+        idx = [b for b in idx if len(self.hist[batch[b].slot][1]) >= len(batch[b].token_ids) - 1 > 0]
         if not idx:
             return empty_proposal(len(batch))
         max_k = max(depth[b] for b in idx)
@@ -198,11 +201,11 @@ class MTPDrafter(Drafter):
             spec_prev = None  # depth k-1 draft-time states at positions n-k+2 .. n-1
             for k in range(1, K + 1):
                 if k == 1:
-                    state = hist[1][n - 1]
+                    state = hist[1].view[n - 1]
                 else:
                     # Positions first..n-1: committed depth-(k-1) states, then its draft-time ones.
                     first = self.caches[k - 1].lengths[row.slot]
-                    h_prev = torch.cat([hist[k - 1][first:], spec_prev])
+                    h_prev = torch.cat([hist[k - 1].view[first:], spec_prev])
                     toks = (row.token_ids + drafts)[first + k : n + k]
                     if first != n - k + 1 or h_prev.shape[0] != len(toks):
                         break  # too early in the sequence for this depth
@@ -217,15 +220,41 @@ class MTPDrafter(Drafter):
                     probs[b, k - 1] = self.vocab.to_full(q).cpu()
                 drafts.append(x)
                 ids[b, k - 1] = x
-                spec_prev = spec if k > 1 else hist[1][n:n]  # depth 1 has no draft-time rows
+                spec_prev = spec if k > 1 else hist[1].view[n:n]  # depth 1 has no draft-time rows
             num[b] = len(drafts)
         return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
 
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         h = target_out.hidden[FINAL_NORM]  # [B, N, d]
         for b, row in enumerate(batch):
-            k = int(proposal.num_draft[b])
-            if k and k == self.reach[row.slot] and verdicts[b].num_accepted == k:  # reached bottom
-                self.reach[row.slot] = min(self.reach[row.slot] + 1, len(self.net.mods))
-            new = h[b, : verdicts[b].num_accepted + 1].to(self.device, self.dtype)
-            self.hist[row.slot][0] = torch.cat([self.hist[row.slot][0], new])
+            k, slot = int(proposal.num_draft[b]), row.slot
+            if k and k == self.reach[slot] < len(self.net.mods):  # a round at the full depth
+                ev = self.evidence[slot]
+                ev[0], ev[1] = ev[0] + (verdicts[b].num_accepted == k), ev[1] + 1
+                if (ev[0] + 1) / (ev[1] + 2) >= GROW_AT:
+                    self.reach[slot], self.evidence[slot] = k + 1, [0, 0]
+            self.hist[slot][0].append(h[b, : verdicts[b].num_accepted + 1].to(self.device, self.dtype))
+
+
+class Rows:
+    """Rows [n, d] that grow at the end in amortised O(1) (the storage doubles when full):
+    `view` is the rows so far, `append(x)` adds x [m, d]."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.buf, self.n = rows, rows.shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.buf[: self.n]
+
+    def append(self, x: torch.Tensor) -> None:
+        m = x.shape[0]
+        if self.n + m > self.buf.shape[0]:
+            grown = self.buf.new_empty(max(2 * self.buf.shape[0], self.n + m, 64), self.buf.shape[1])
+            grown[: self.n] = self.view
+            self.buf = grown
+        self.buf[self.n : self.n + m] = x
+        self.n += m
