@@ -76,6 +76,7 @@ def lookup_tree(
 
 
 TABLE_ORDERS = (4, 3, 2)  # context lengths an n-gram table keys on, longest first
+MIN_SHARE = 0.1  # a context whose best next token has a smaller share of its count is a stop
 
 
 def context_keys(windows: np.ndarray) -> np.ndarray:
@@ -103,7 +104,7 @@ class NgramTable:
         self.orders = tuple(sorted(tables, reverse=True))
 
     @classmethod
-    def build(cls, seqs, orders=TABLE_ORDERS, min_count: int = 4, min_share: float = 0.3) -> NgramTable:
+    def build(cls, seqs, orders=TABLE_ORDERS, min_count: int = 4, min_share: float = MIN_SHARE) -> NgramTable:
         seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
         tables = {}
         for n in orders:

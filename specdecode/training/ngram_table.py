@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from specdecode.drafters.checkpoint import save_checkpoint
-from specdecode.drafters.ngram import TABLE_ORDERS, NgramTable
+from specdecode.drafters.ngram import MIN_SHARE, TABLE_ORDERS, NgramTable
 from specdecode.errors import SpecDecodeError
 from specdecode.training.data import regen_dirs
 from specdecode.training.regen import META, read_regen
@@ -40,7 +40,7 @@ def build_table_checkpoint(
     data_dir,
     out_dir,
     min_count: int = 4,
-    min_share: float = 0.3,
+    min_share: float = MIN_SHARE,
     orders: tuple[int, ...] = TABLE_ORDERS,
 ) -> dict:
     if min_count < 1 or not 0.0 <= min_share <= 1.0:

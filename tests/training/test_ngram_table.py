@@ -35,3 +35,19 @@ def test_a_table_checkpoint_serves_ngram_table_and_knows_its_answers(data, tmp_p
         build_drafter("ngram", target, str(out))  # plain prompt lookup reads no table
     with pytest.raises(SpecDecodeError, match="min-count"):
         build_table_checkpoint(target, regen, tmp_path / "x", min_count=0)
+
+
+def test_min_share_decides_where_the_walk_stops(data, tmp_path):
+    """`--min-share 0` keeps no stop (every kept context drafts its most frequent next token);
+    the default keeps the contexts whose best next token is rare as stops; the card records it."""
+    target, regen = data
+    stops = {}
+    for share in (0.0, 0.3, 1.0):
+        out = tmp_path / f"share{share}"
+        build_table_checkpoint(target, regen, out, min_count=1, min_share=share)
+        assert json.loads((out / "config.json").read_text())["arch"]["min_share"] == share
+        table = build_drafter("ngram-table", target, str(out)).table
+        stops[share] = sum(int((nxt < 0).sum()) for _, nxt in table.tables.values())
+    assert stops[0.0] == 0 < stops[1.0] and stops[0.3] <= stops[1.0]
+    with pytest.raises(SpecDecodeError, match="min_share"):
+        build_table_checkpoint(target, regen, tmp_path / "y", min_share=1.5)
