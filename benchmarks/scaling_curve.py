@@ -102,30 +102,34 @@ def write_report(out: Path, points: list[dict]) -> None:
     cmds = sorted({p["command"] for p in points})
     lines += ["", "Commands:", ""] + [f"- `{c}`" for c in cmds]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for m, series in sorted({(p["method"], series_of(p)) for p in points}):
-        pts = sorted(
-            (p for p in points if p["method"] == m and series_of(p) == series), key=lambda p: p["sequences"]
-        )
-        xs = [p["sequences"] for p in pts]
-        label = f"{m}, {series}"
-        (line,) = ax.plot(xs, [p["greedy"]["tau"] for p in pts], marker="o", label=f"{label}, greedy")
-        ax.plot(
-            xs,
-            [p["t1"]["tau"] for p in pts],
-            marker="x",
-            ls="--",
-            color=line.get_color(),
-            label=f"{label}, T=1",
-        )
-    for label, n, tau in PUBLISHED:
-        ax.scatter([n], [tau], marker="*", s=90, color="grey")
-        ax.annotate(label, (n, tau), fontsize=6, xytext=(-120, 4), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("regenerated sequences")
-    ax.set_ylabel("served tau (K fixed)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    methods = sorted({p["method"] for p in points})
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    styles = {}  # series -> line style: the same-compute series solid, compute growing dashed
+    for ax, key, title in ((axes[0], "greedy", "greedy"), (axes[1], "t1", "T = 1")):
+        for m, series in sorted({(p["method"], series_of(p)) for p in points}):
+            pts = sorted(
+                (p for p in points if p["method"] == m and series_of(p) == series),
+                key=lambda p: p["sequences"],
+            )
+            ls = styles.setdefault(series, "--" if "growing" in series else "-")
+            ax.plot(
+                [p["sequences"] for p in pts],
+                [p[key]["tau"] for p in pts],
+                marker="o",
+                ls=ls,
+                color=colors[m],
+                label=f"{m}, {series}",
+            )
+        for label, n, tau in PUBLISHED:
+            ax.scatter([n], [tau], marker="*", s=90, color="grey")
+            ax.annotate(label, (n, tau), fontsize=6, xytext=(-120, 4), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("regenerated sequences")
+        ax.set_title(f"served tau, {title} (K fixed)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("served tau")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
