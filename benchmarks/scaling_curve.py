@@ -166,7 +166,7 @@ def main() -> None:
         n = None if size == "all" else int(size)
         data = Path(a.runs) / f"data-{size}"
         count = subset(Path(a.data), n, data, a.seed)
-        series = "steps growing with data" if ":" in a.steps else f"{steps[size]} steps each"
+        series = f"steps growing with data ({a.steps})" if ":" in a.steps else f"{steps[size]} steps each"
         todo = []
         for m in methods:
             runs = [

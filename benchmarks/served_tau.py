@@ -22,22 +22,19 @@ from pathlib import Path
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
 from specdecode.datasets import load_category
-from specdecode.drafters import build_drafter
+from specdecode.drafters import DEFAULT_NUM_DRAFT, build_drafter
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
 from specdecode.training.regen import prompt_ids
 from specdecode.training.trainer import evaluate
 
-DEFAULT_K = {"eagle": 4, "eagle-tree": 16, "dspark": 7, "dflash": 6, "mtp": 3, "medusa": 4}
-
 
 def parse_drafter(spec: str) -> tuple[str, int, str | None]:
-    """`METHOD[:K][=DIR]` -> (method, K, checkpoint dir or None for the shipped one)."""
+    """`METHOD[:K][=DIR]` -> (method, K (default: the method's own, as `generate` uses), checkpoint
+    dir or None for the shipped one)."""
     head, _, ckpt = spec.partition("=")
     method, _, k = head.partition(":")
-    if not k and method not in DEFAULT_K:
-        raise SystemExit(f"--drafters: give K for {method} ({method}:K)")
-    return method, int(k) if k else DEFAULT_K[method], ckpt or None
+    return method, int(k) if k else DEFAULT_NUM_DRAFT[method], ckpt or None
 
 
 def prompts_of(source: str, target, n: int, eval_data: str | None) -> list[list[int]]:
@@ -49,8 +46,9 @@ def prompts_of(source: str, target, n: int, eval_data: str | None) -> list[list[
 
 
 def shown(method: str, result: dict) -> dict:
-    """A tree's K is its node budget, deeper than any path: its depths past the deepest one
-    reached (all zeros) are left out of the report (they stay in OUT.json)."""
+    """A tree's K is its node budget, deeper than any path: its trailing depths with no accepted
+    draft (past the deepest path, or reached and never accepted) are left out of the report
+    (they stay in OUT.json)."""
     acc = list(result["acceptance"])
     while method.endswith("-tree") and acc and acc[-1] == 0.0:
         acc.pop()

@@ -410,20 +410,22 @@ def test_mtp_drafts_one_module_deeper_once_its_depth_is_accepted_often(tiny, tra
     from specdecode.drafters.mtp.drafter import GROW_AT
 
     drafter = _drafter("mtp", trained, tiny)
-    rounds = collections.defaultdict(list)  # slot -> [drafts, accepted, deeper modules' lengths]
+    # slot -> [drafts, accepted, deeper modules' lengths, the drafter's depth after the round]
+    rounds = collections.defaultdict(list)
     real_propose, real_advance = drafter.propose, drafter.advance
 
     def propose(batch, num_draft):
         deeper = [[int(c.lengths[r.slot]) for c in drafter.caches[1:]] for r in batch]
         p = real_propose(batch, num_draft)
         for b, r in enumerate(batch):
-            rounds[r.slot].append([int(p.num_draft[b]), None, deeper[b]])
+            rounds[r.slot].append([int(p.num_draft[b]), None, deeper[b], None])
         return p
 
     def advance(batch, proposal, verdicts, target_out):
+        real_advance(batch, proposal, verdicts, target_out)
         for r, v in zip(batch, verdicts, strict=True):
-            rounds[r.slot][-1][1] = v.num_accepted
-        return real_advance(batch, proposal, verdicts, target_out)
+            if rounds[r.slot] and rounds[r.slot][-1][1] is None:
+                rounds[r.slot][-1][1], rounds[r.slot][-1][3] = v.num_accepted, drafter.reach[r.slot]
 
     drafter.propose, drafter.advance = propose, advance
     prompts = [tiny.tokenizer(t)["input_ids"] for t in ("the cat", "the dog ran to the", "the cat sat")]
@@ -434,7 +436,7 @@ def test_mtp_drafts_one_module_deeper_once_its_depth_is_accepted_often(tiny, tra
     stayed = 0  # rounds fully accepted at a depth that did not (yet) earn the next one
     for seen in rounds.values():
         depth, full, tried = 1, 0, 0
-        for k, accepted, deeper in seen:
+        for k, accepted, deeper, reach in seen:
             assert k <= depth  # K 3 asked for every round: the depth bounds it (fewer: too early)
             assert all(n == 0 for n in deeper[depth - 1 :])  # modules below the depth never ran
             if k == depth < 3:
@@ -443,6 +445,7 @@ def test_mtp_drafts_one_module_deeper_once_its_depth_is_accepted_often(tiny, tra
                     depth, full, tried = depth + 1, 0, 0
                 else:
                     stayed += accepted == k
+            assert reach == depth  # the drafter's own depth follows the rule round by round
     assert stayed > 0  # one fully accepted round alone did not always earn a module
-    assert max(k for seen in rounds.values() for k, _, _ in seen) == 3  # the tiny drafter gets there
-    assert min(max(k for k, _, _ in seen) for seen in rounds.values()) < 3  # and not always
+    assert max(r[0] for seen in rounds.values() for r in seen) == 3  # the tiny drafter gets there
+    assert min(max(r[0] for r in seen) for seen in rounds.values()) < 3  # and not always

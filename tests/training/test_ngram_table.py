@@ -51,3 +51,14 @@ def test_min_share_decides_where_the_walk_stops(data, tmp_path):
     assert stops[0.0] == 0 < stops[1.0] and stops[0.3] <= stops[1.0]
     with pytest.raises(SpecDecodeError, match="min_share"):
         build_table_checkpoint(target, regen, tmp_path / "y", min_share=1.5)
+
+
+def test_the_stop_share_is_a_threshold_on_the_best_next_tokens_share():
+    """A context seen 5 times, followed by A A B C D: its best next token (A) has a 40 % share.
+    It drafts A at min_share <= 0.4 and is a stop above; the default share (MIN_SHARE) drafts it."""
+    from specdecode.drafters.ngram import MIN_SHARE, NgramTable
+
+    seqs = [[7, 8, nxt] for nxt in (1, 1, 2, 3, 4)]
+    for share, want in ((0.0, 1), (0.4, 1), (0.41, None), (0.9, None), (MIN_SHARE, 1)):
+        table = NgramTable.build(seqs, orders=(2,), min_count=1, min_share=share)
+        assert table.next_token(np.array([7, 8])) == want, share

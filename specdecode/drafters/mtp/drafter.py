@@ -17,8 +17,9 @@ Contract:
   `reach`; `start_depth` > 1 starts deeper, e.g. to test the law of K-draft rounds from the
   first). One lucky round does not make a weak drafter catch a deeper module up over a long
   prompt (on a 1,754-token prompt module 2's catch-up takes ~100 ms, ~4 target steps). A
-  round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS`, the largest
-  our kernels take whole), so a weak drafter never runs its deep modules over a long prompt.
+  round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS` rows, one
+  fused-layer call each under the plans measured so far), so a weak drafter never runs its deep
+  modules over a long prompt.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
 """
 
