@@ -172,7 +172,12 @@ def main() -> None:
             runs = [
                 p
                 for p in points
-                if p["method"] == m and p["sequences"] == count and p["steps"] == steps[size]
+                if p["method"] == m
+                and p["sequences"] == count
+                and p["steps"] == steps[size]
+                and p["tokens_per_batch"] == a.tokens_per_batch
+                and p.get("lr", 1e-3) == a.lr  # points from before these keys: lr 1e-3, seed 0
+                and p.get("seed", 0) == a.seed
             ]
             if not runs:
                 todo.append(m)
@@ -183,8 +188,10 @@ def main() -> None:
         if not todo:
             continue
         run_dir = Path(a.runs) / f"train-{size}-{steps[size]}"
+        # one directory per method even when one is left (a rerun after a kill finds its run)
+        one = todo[0] if len(todo) == 1 else None
         cfg = TrainConfig(
-            out_dir=str(run_dir),
+            out_dir=str(run_dir / one if one else run_dir),
             steps=steps[size],
             lr=a.lr,
             warmup_steps=max(1, steps[size] // 15),
@@ -196,16 +203,17 @@ def main() -> None:
         )
         t0 = time.perf_counter()
         kw = {m: dict(trainable(m).train_options) for m in todo}  # `specdecode train` defaults
-        run_training(",".join(todo), target, data, run_dir, cfg, kw if len(todo) > 1 else kw[todo[0]])
+        run_training(",".join(todo), target, data, Path(cfg.out_dir), cfg, kw[one] if one else kw)
         train_s = round(time.perf_counter() - t0)
         for m in todo:
-            ckpt = run_dir / m if len(todo) > 1 else run_dir
-            drafter = build_drafter(m, target, str(ckpt))
+            drafter = build_drafter(m, target, str(run_dir / m))
             point = {
                 "sequences": count,
                 "method": m,
                 "steps": steps[size],
                 "tokens_per_batch": a.tokens_per_batch,
+                "lr": a.lr,
+                "seed": a.seed,
                 "series": series,
                 "greedy": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 0.0),
                 "t1": served(target, drafter, prompts, a.num_draft, a.max_new_tokens, 1.0),
