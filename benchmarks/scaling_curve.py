@@ -134,6 +134,12 @@ def write_report(out: Path, points: list[dict]) -> None:
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
+def save(out: Path, points: list[dict]) -> None:
+    """OUT.json with every point, then OUT.md and OUT.png drawn from them."""
+    out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
+    write_report(out, points)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -167,7 +173,7 @@ def main() -> None:
         data = Path(a.runs) / f"data-{size}"
         count = subset(Path(a.data), n, data, a.seed)
         series = f"steps growing with data ({a.steps})" if ":" in a.steps else f"{steps[size]} steps each"
-        todo = []
+        todo, listed = [], False
         for m in methods:
             runs = [
                 p
@@ -183,8 +189,9 @@ def main() -> None:
                 todo.append(m)
             elif not any(series_of(p) == series for p in runs):
                 points.append({**runs[0], "series": series})  # trained once, listed in both series
-                out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
-                write_report(out, points)
+                listed = True
+        if listed:
+            save(out, points)
         if not todo:
             continue
         run_dir = Path(a.runs) / f"train-{size}-{steps[size]}"
@@ -223,8 +230,7 @@ def main() -> None:
             }
             print(json.dumps(point))
             points.append(point)
-            out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
-            write_report(out, points)
+            save(out, points)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 For each drafter (`METHOD[:K][=DIR]`, default: the drafter shipped for the target, K its usual
 draft length; a tree method's K is its node budget) and each prompt source, the real speculative
-loop (fixed K, `training.trainer.evaluate`) at temperature 0 and 1 gives tau (tokens per target
-forward) and the acceptance per draft position. Sources: `chat` and `code` are the benchmark's
-MT-Bench and HumanEval prompts (chat template; the training prompts are kept disjoint from them),
-`prompts` the held-out split of a prompt set (`--eval-data`). Timing plays no part: tau is the
-same on a busy machine.
+loop (fixed K; `scaling_curve.served`, the scaling curve's own measure) at temperature 0 and 1
+gives tau (tokens per target forward) and the acceptance per draft position. Sources: `chat` and
+`code` are the benchmark's MT-Bench and HumanEval prompts (chat template; the training prompts
+are kept disjoint from them), `prompts` the held-out split of a prompt set (`--eval-data`).
+Timing plays no part: tau is the same on a busy machine.
 
 Usage: OMP_NUM_THREADS=2 python benchmarks/served_tau.py --target smollm2-135m \
            --drafters eagle:4,eagle-tree:16,dspark:7,dflash:6 --sources chat,code --num-prompts 24 \
@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
+from scaling_curve import served
 
 from specdecode.datasets import load_category
 from specdecode.drafters import DEFAULT_NUM_DRAFT, build_drafter
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import heldout_prompts
 from specdecode.training.regen import prompt_ids
-from specdecode.training.trainer import evaluate
 
 
 def parse_drafter(spec: str) -> tuple[str, int, str | None]:
@@ -114,8 +114,7 @@ def main() -> None:
         for source, prompts in sources.items():
             row = {"method": method, "k": k, "drafter": ckpt, "source": source}
             for key, temperature in (("greedy", 0.0), ("t1", 1.0)):
-                r = evaluate(drafter, target, prompts, k, a.max_new_tokens, temperature)
-                row[key] = {"tau": round(r["tau"], 3), "acceptance": [round(x, 3) for x in r["acceptance"]]}
+                row[key] = served(target, drafter, prompts, k, a.max_new_tokens, temperature)
             print(json.dumps(row), flush=True)
             rows.append(row)
             write_report(Path(a.out), rows, meta)

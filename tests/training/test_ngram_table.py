@@ -39,7 +39,8 @@ def test_a_table_checkpoint_serves_ngram_table_and_knows_its_answers(data, tmp_p
 
 def test_min_share_decides_where_the_walk_stops(data, tmp_path):
     """`--min-share 0` keeps no stop (every kept context drafts its most frequent next token);
-    the default keeps the contexts whose best next token is rare as stops; the card records it."""
+    0.3 and 1.0 keep the contexts whose best next token is rarer than that as stops (1.0 the
+    most); the card records the share."""
     target, regen = data
     stops = {}
     for share in (0.0, 0.3, 1.0):
