@@ -5,7 +5,10 @@ One process: the target with `ar` and every method at fixed K (greedy, chat temp
 same prompts, interleaved per prompt (ar, then each method), for `--repeats` passes. A round's
 cost is the decoder's drafting time (`draft_time`: catch-up on committed context included) per
 step, as `build` times rounds for the adaptive policy;
-the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before.
+the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before;
+per draft token divides a round by the drafts it made (fewer than K where a drafter stops
+early: MTP drafts at most one token per module, and here from its full depth on, not by its
+depth rule).
 The report gives medians over prompts and passes, and the paired ratio round / step; beside it
 the speed-up measured on the prompt (ar's decode time / the method's, same tokens) and the one
 the cost model predicts at tau = 3 with the same K: 3 steps' worth of tokens per round that
@@ -54,6 +57,9 @@ def main() -> int:
         m: load(ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k)
         for m, k in specs
     }
+    for m, sd in sds.items():  # MTP drafts K from the first round (its depth rule would start at 1)
+        if m == "mtp":
+            sd.decoder.drafter.start_depth = len(sd.decoder.drafter.net.mods)
     for sd in (ar, *sds.values()):
         sd.generate(PROMPTS[0], max_new_tokens=8, chat=True)  # warm-up
     rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau, verify s, speed-up)
@@ -66,7 +72,8 @@ def main() -> int:
                 res = sd.generate(p, max_new_tokens=a.tokens, chat=True)
                 n, dec = max(res.num_steps, 1), sd.decoder
                 speedup = step * res.num_new_tokens / res.decode_time_s if res.decode_time_s else float("nan")
-                rows[m].append((dec.draft_time / n, step, res.tau, dec.verify_time / n, speedup))
+                drafted = res.num_drafted / n  # drafts per round (MTP: at most its modules)
+                rows[m].append((dec.draft_time / n, step, res.tau, dec.verify_time / n, speedup, drafted))
     info = machine_info()
     machine = f"{info.get('cpu', '?')} (native bf16 GEMM: {info.get('bf16_gemm', '?')})"
     report = {"machine": info, "target": a.target, "tokens": a.tokens, "repeats": a.repeats, "methods": {}}
@@ -78,16 +85,17 @@ def main() -> int:
         "medians over prompts and passes. Step: `ar` decode time per token on the same prompt just "
         "before (prefill excluded).",
         "",
-        "| method | K | round ms | ar step ms | round / step | per draft token / step | bound | tau "
-        "| verify / step | speed-up | at tau 3 (model) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | K | drafts a round | round ms | ar step ms | round / step | per draft token / step "
+        "| bound | tau | verify / step | speed-up | at tau 3 (model) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, k in specs:
         rs = rows[m]
         ratio = statistics.median(r / s for r, s, *_ in rs)  # paired per prompt
-        verify = statistics.median(v / s for _, s, _, v, _ in rs)
-        at3 = statistics.median(3 * s / (r + v) for r, s, _, v, _ in rs)
-        per_token = ratio / k
+        verify = statistics.median(v / s for _, s, _, v, *_ in rs)
+        at3 = statistics.median(3 * s / (r + v) for r, s, _, v, *_ in rs)
+        drafted = statistics.median(r[5] for r in rs)
+        per_token = statistics.median(r / s / max(d, 1e-9) for r, s, *_, d in rs)
         kind, bound = BOUNDS.get(m, ("round", float("nan")))
         shown = f"{bound} a {kind}" if bound == bound else ""
         rec = {
@@ -95,6 +103,7 @@ def main() -> int:
             "round_ms": statistics.median(r[0] for r in rs) * 1e3,
             "step_ms": statistics.median(r[1] for r in rs) * 1e3,
             "round_per_step": ratio,
+            "drafts_per_round": drafted,
             "per_token_per_step": per_token,
             "tau": statistics.median(r[2] for r in rs),
             "verify_per_step": verify,
@@ -103,8 +112,9 @@ def main() -> int:
         }
         report["methods"][m] = rec
         lines.append(
-            f"| {m} | {k} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} | {per_token:.3f} "
-            f"| {shown} | {rec['tau']:.2f} | {verify:.2f} | {rec['speedup']:.2f}x | {at3:.2f}x |"
+            f"| {m} | {k} | {drafted:.1f} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} "
+            f"| {per_token:.3f} | {shown} | {rec['tau']:.2f} | {verify:.2f} | {rec['speedup']:.2f}x "
+            f"| {at3:.2f}x |"
         )
     lines += ["", "Command: `python benchmarks/bench_draft_rounds.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("drafter", "out")

@@ -100,12 +100,23 @@ class ReducedHead:
             self.head.weight.copy_(head_weight[d2t].float())
 
 
+_ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (D, theta, device) -> cos/sin [P, D]
+
+
 def rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[*positions.shape, D]` (fp32) for integer positions."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    ang = positions.float().unsqueeze(-1) * inv  # [..., D/2]
-    ang = torch.cat([ang, ang], dim=-1)  # [..., D]
-    return ang.cos(), ang.sin()
+    """cos/sin `[*positions.shape, D]` (fp32) for integer positions >= 0: rows of one table per
+    (D, theta, device), computed once and doubled when a position passes its end (a drafting
+    round reads two rows instead of computing ~8 small ops)."""
+    key = (head_dim, float(theta), positions.device)
+    table = _ROPE.get(key)
+    need = int(positions.max()) + 1 if positions.numel() else 0
+    if table is None or table[0].shape[0] < need:
+        size = max(need, 2 * table[0].shape[0] if table is not None else 4096)
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+        ang = torch.arange(size, device=positions.device).float().unsqueeze(-1) * inv  # [P, D/2]
+        ang = torch.cat([ang, ang], dim=-1)  # [P, D]
+        table = _ROPE[key] = (ang.cos(), ang.sin())
+    return table[0][positions], table[1][positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -318,7 +318,7 @@ def test_mtp_rows_in_one_call_equal_the_modules(tiny_llama_dir, trained, monkeyp
             if not whole:
                 monkeypatch.setattr(type(drafter), "_run_whole", lambda self, *a, **kw: None)
             drafter.start(0, [1])
-            outs.append(drafter._run(2, 0, h, tok, 0, commit=False))
+            outs.append(drafter._run(2, 0, h, tok, 0, commit=0))
         monkeypatch.undo()
         torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=1e-3)
 

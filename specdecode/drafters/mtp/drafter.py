@@ -19,7 +19,8 @@ Contract:
   prompt (on a 1,754-token prompt module 2's catch-up takes ~100 ms, ~4 target steps). A
   round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS` rows, one
   fused-layer call each under the plans measured so far), so a weak drafter never runs its deep
-  modules over a long prompt.
+  modules over a long prompt. Module k >= 2's catch-up and its k - 1 draft-time rows are one
+  call (the committed rows first, causal), so a K-draft round runs each module once.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
 """
 
@@ -103,8 +104,9 @@ class MTPDrafter(Drafter):
         self.evidence.pop(slot, None)
 
     @torch.no_grad()
-    def _run(self, k: int, slot: int, h_prev, tok: list[int], first_pos: int, commit: bool) -> torch.Tensor:
-        """Module k over positions first_pos.. (rows at the cache's committed end) -> [N, d]."""
+    def _run(self, k: int, slot: int, h_prev, tok: list[int], first_pos: int, commit: int) -> torch.Tensor:
+        """Module k over positions first_pos.. (rows at the cache's committed end) -> [N, d];
+        the first `commit` rows are committed (the rest are written past the committed end)."""
         cfg, mod, cache = self.net.cfg, self.net.mods[k - 1], self.caches[k - 1]
         n = len(tok)
         base = cache.lengths[slot]
@@ -119,8 +121,7 @@ class MTPDrafter(Drafter):
         x = mod.inp(h_prev[None], emb)
         out = self._run_whole(k, slot, x, base, cos, sin)
         if out is not None:
-            if commit:
-                cache.commit(slot, n)
+            cache.commit(slot, commit)
             return out
         q, kk, v = mod.qkv(x, cos, sin)
         cache.k[0][slot, :, base : base + n] = kk[0].transpose(0, 1)
@@ -132,8 +133,7 @@ class MTPDrafter(Drafter):
             <= (base + torch.arange(n, device=self.device))[:, None]
         )
         out = mod.finish(x, attend(q, keys, values, vis[None]))[0]  # [n, d]
-        if commit:
-            cache.commit(slot, n)
+        cache.commit(slot, commit)
         return out
 
     def _run_whole(self, k: int, slot: int, x, base: int, cos, sin) -> torch.Tensor | None:
@@ -161,14 +161,40 @@ class MTPDrafter(Drafter):
         """Commit module k's rows (k = 1..depth) for positions whose token t_{i+k} is known
         (i <= n - k). Deeper modules wait until a round drafts that deep: a probe that drafts
         one token after many rounds without drafts runs module 1 alone."""
-        hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
         for k in range(1, depth + 1):
-            c = self.caches[k - 1].lengths[row.slot]
-            end = min(n - k, len(hist[k - 1]) - 1)  # last position to commit
-            for c0 in range(c, end + 1, CATCH_UP_ROWS):  # a prompt in blocks our kernels take whole
-                c1 = min(end + 1, c0 + CATCH_UP_ROWS)
-                prev = hist[k - 1].view[c0:c1]
-                hist[k].append(self._run(k, row.slot, prev, toks[c0 + k : c1 + k], c0, commit=True))
+            self._commit_known(row, k)
+
+    def _commit_known(self, row: DraftRow, k: int) -> None:
+        """Module k's catch-up: its rows up to position min(n - k, the last with a depth k-1
+        state), in blocks of `CATCH_UP_ROWS` (a prompt in blocks our kernels take whole)."""
+        hist, n, toks = self.hist[row.slot], len(row.token_ids) - 1, row.token_ids
+        c = self.caches[k - 1].lengths[row.slot]
+        end = min(n - k, len(hist[k - 1]) - 1)  # last position to commit
+        for c0 in range(c, end + 1, CATCH_UP_ROWS):
+            c1 = min(end + 1, c0 + CATCH_UP_ROWS)
+            prev = hist[k - 1].view[c0:c1]
+            hist[k].append(self._run(k, row.slot, prev, toks[c0 + k : c1 + k], c0, commit=c1 - c0))
+
+    def _draft_rows(self, k: int, row: DraftRow, drafts: list[int], spec_prev) -> torch.Tensor | None:
+        """Module k >= 2's states at positions c..n-1 (c: its committed length), one call: the
+        rows whose token t_{i+k} is known (i <= n - k) are committed (the catch-up), the k - 1
+        after them read depth k-1's draft-time states `spec_prev` and the drafts so far, and are
+        not. A catch-up longer than a block goes first, in blocks. None: too early in the
+        sequence for this depth (its catch-up is still done)."""
+        hist, n, slot = self.hist[row.slot], len(row.token_ids) - 1, row.slot
+        c, known = self.caches[k - 1].lengths[slot], len(hist[k - 1]) - 1
+        if n - k + 1 - c + k - 1 > CATCH_UP_ROWS or known < n - k + 1:
+            self._commit_known(row, k)
+            c = self.caches[k - 1].lengths[slot]
+            if c != n - k + 1 or known < n - k + 1:
+                return None
+        h_prev = torch.cat([hist[k - 1].view[c:], spec_prev])  # [n - c, d] positions c..n-1
+        toks = (row.token_ids + drafts)[c + k : n + k]
+        if h_prev.shape[0] != len(toks):
+            return None
+        out = self._run(k, slot, h_prev, toks, c, commit=n - k + 1 - c)
+        hist[k].append(out[: n - k + 1 - c])
+        return out[n - k + 1 - c :]
 
     def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Module k's draft-vocabulary logits [1, Vd] of one state [d] (MTP.logits' function)."""
@@ -185,8 +211,8 @@ class MTPDrafter(Drafter):
         D = len(self.net.mods)
         idx = [b for b, k in enumerate(num_draft) if k > 0]
         depth = {b: min(D, num_draft[b], self.reach[batch[b].slot]) for b in idx}
-        for b in idx:
-            self._catch_up(batch[b], depth[b])
+        for b in idx:  # module 1 here; deeper ones with their draft rows (`_draft_rows`)
+            self._catch_up(batch[b], 1)
         idx = [b for b in idx if len(self.hist[batch[b].slot][1]) >= len(batch[b].token_ids) - 1 > 0]
         if not idx:
             return empty_proposal(len(batch))
@@ -204,13 +230,9 @@ class MTPDrafter(Drafter):
                 if k == 1:
                     state = hist[1].view[n - 1]
                 else:
-                    # Positions first..n-1: committed depth-(k-1) states, then its draft-time ones.
-                    first = self.caches[k - 1].lengths[row.slot]
-                    h_prev = torch.cat([hist[k - 1].view[first:], spec_prev])
-                    toks = (row.token_ids + drafts)[first + k : n + k]
-                    if first != n - k + 1 or h_prev.shape[0] != len(toks):
+                    spec = self._draft_rows(k, row, drafts, spec_prev)
+                    if spec is None:
                         break  # too early in the sequence for this depth
-                    spec = self._run(k, row.slot, h_prev, toks, first, commit=False)
                     state = spec[-1]
                 if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                     x = int(self.vocab.to_target(self.vocab.argmax(self._logits(k, state)))[0])
