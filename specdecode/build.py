@@ -203,8 +203,9 @@ def _drafting_code_tag() -> str:
     return h.hexdigest()[:12]
 
 
-def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
-    """(fixed, per token) seconds of a learned drafter's round (`policy.draft_round_costs`),
+def drafter_round_costs(tgt, drf, method: str, k: int):
+    """A learned drafter's round costs in seconds (`policy.draft_round_costs`: fixed, per token
+    and the curve over K, through the K where the drafter says its cost bends),
     timed on short greedy runs (catch-up on committed context included, as in a real round) and
     keyed by the drafter's architecture (method, class, parameter count, dtype), the drafting
     code (sources and kernels), the target and the machine."""
@@ -215,7 +216,8 @@ def drafter_round_costs(tgt, drf, method: str, k: int) -> tuple[float, float]:
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     ident.append(_drafting_code_tag())  # faster drafting code is measured anew
     cpu = tgt.model.info.device.type == "cpu"
-    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu)
+    points = getattr(drf, "cost_points", ())
+    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu, points=points)
 
 
 def build(options: LoadOptions) -> SpecDecode:
@@ -228,6 +230,7 @@ def build(options: LoadOptions) -> SpecDecode:
     drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k
     verify_cost, draft_cost, draft_fixed, step_cost = 0.03, drf.cost_per_token, 0.0, None
+    draft_curve = None
     if o.policy in _MEASURED_POLICIES and k > 0:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
         costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
@@ -235,7 +238,9 @@ def build(options: LoadOptions) -> SpecDecode:
         if drf.model is not None:  # a draft model: time its step too
             draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
         elif o.policy == "adaptive" and drf.cost_per_token > 0:  # a learned drafter: time its rounds
-            draft_fixed, draft_cost = (c / costs[0] for c in drafter_round_costs(tgt, drf, o.method, k))
+            rc = drafter_round_costs(tgt, drf, o.method, k)
+            draft_fixed, draft_cost = rc.fixed / costs[0], rc.per_token / costs[0]
+            draft_curve = [c / costs[0] for c in rc.curve]
     if o.policy in _SCHEDULED_POLICIES:
         if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)
             max_context = o.max_model_len or tgt.model.info.max_position
@@ -251,5 +256,6 @@ def build(options: LoadOptions) -> SpecDecode:
         step_cost=step_cost,
         online=True,
         draft_fixed=draft_fixed,
+        draft_curve=draft_curve,
     )
     return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

@@ -43,14 +43,22 @@ def make_policy(
     step_cost=None,
     online: bool = False,
     draft_fixed: float = 0.0,
+    draft_curve: Sequence[float] | None = None,
 ) -> DraftPolicy:
     """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
     online: the scheduled policies correct that profile and the drafting cost from measured steps;
-    draft_fixed: a drafting round's cost beyond its per-token cost (adaptive policy)."""
+    draft_fixed: a drafting round's cost beyond its per-token cost; draft_curve: a round's
+    measured cost for K = 1..k, which the adaptive policy reads instead of the line where given."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
-        return AdaptiveK(k, draft_cost=draft_cost, verify_cost=verify_cost, draft_fixed=draft_fixed)
+        return AdaptiveK(
+            k,
+            draft_cost=draft_cost,
+            verify_cost=verify_cost,
+            draft_fixed=draft_fixed,
+            draft_curve=draft_curve,
+        )
     if name in ("scheduled", "scheduled-production"):
         if step_cost is None:
             raise SpecDecodeError(f"the {name!r} policy needs a measured step-cost profile (SPS)")

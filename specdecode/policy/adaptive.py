@@ -3,6 +3,7 @@
 Contract: it estimates the request's per-token acceptance rate alpha (decayed counts) and picks
 the K in [0, K_max] that maximises the expected speed-up
     E[tau](K) / (verify_cost[K] + [K > 0] * draft_fixed + K * draft_cost),
+(or verify_cost[K] + draft_curve[K] where a round's cost was measured as a curve over K),
 with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (docs/methods.md, "Speculative sampling"),
 verify_cost[K] the cost of a target forward of K+1 tokens relative to one token (measured:
 `profile.py`), draft_cost the cost of one draft token and draft_fixed what a drafting round
@@ -25,6 +26,7 @@ from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 
 class AdaptiveK(DraftPolicy):
     MIN_GAIN = 0.05  # drafting must promise at least a 5 % speed-up at perfect acceptance
+    MARGIN = 0.10  # a round must promise 10 % over plain decoding at the estimated acceptance
 
     def __init__(
         self,
@@ -34,9 +36,12 @@ class AdaptiveK(DraftPolicy):
         decay: float = 0.9,
         probe_every: int = 8,
         draft_fixed: float = 0.0,
+        draft_curve: Sequence[float] | None = None,
     ):
         """verify_cost: relative cost per extra verified token, or the measured curve
-        [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens."""
+        [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens; draft_curve:
+        a round's measured cost for K = 1..k_max (in target steps), read instead of
+        draft_fixed + K * draft_cost (a tree's cost is not a line in K)."""
         if k_max < 0:
             raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
         if isinstance(verify_cost, (int, float)):
@@ -48,6 +53,9 @@ class AdaptiveK(DraftPolicy):
                     f"verify_cost needs {k_max + 1} entries (n = 1..K+1), got {len(self.verify_cost)}"
                 )
         self.k_max, self.draft_cost, self.draft_fixed = k_max, draft_cost, draft_fixed
+        self.draft_curve = None if draft_curve is None else [float(c) for c in draft_curve]
+        if self.draft_curve is not None and len(self.draft_curve) < k_max:
+            raise ValueError(f"draft_curve needs {k_max} entries (K = 1..K_max), got {len(self.draft_curve)}")
         self.decay, self.probe_every = decay, probe_every
         # If even perfect acceptance cannot pay for drafting on this machine, never draft (and
         # never probe): speculation is then exactly plain decoding plus nothing.
@@ -56,11 +64,16 @@ class AdaptiveK(DraftPolicy):
 
     def round_cost(self, k: int) -> float:
         """A step that drafts k tokens, in target one-token steps."""
-        return self.verify_cost[k] + (self.draft_fixed if k > 0 else 0.0) + k * self.draft_cost
+        if k == 0:
+            return self.verify_cost[0]
+        if self.draft_curve is not None:
+            return self.verify_cost[k] + self.draft_curve[k - 1]
+        return self.verify_cost[k] + self.draft_fixed + k * self.draft_cost
 
     def best_k(self, alpha: float) -> int:
         speedups = [expected_tau(alpha, k) / self.round_cost(k) for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
+        k = max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
+        return k if speedups[k] >= 1.0 + self.MARGIN else 0
 
     def choose(self, states: list[PolicyState]) -> list[int]:
         if not self.enabled:

@@ -13,8 +13,9 @@ Why: whether verifying K extra tokens is nearly free depends on the hardware. Wi
 GPU) a bf16 forward of 8 tokens costs about one of 1 token; on an AVX2-only CPU it costs ~5x.
 The adaptive draft-length policy reads these costs instead of assuming either.
 
-`draft_round_costs(ident, k, round_seconds)` is what a learned drafter's round costs (fixed +
-per token), timed once per drafter architecture, target and machine.
+`draft_round_costs(ident, k, round_seconds, points=())` is what a learned drafter's round costs
+(fixed + per token, and the curve over K through every K it timed: 1, k and the drafter's
+`points`), timed once per drafter architecture, target and machine.
 
 `batch_step_costs(model, fingerprint, rows, blocks, contexts)` is the serving-time profile the
 DSpark-style scheduler reads (SPS, target steps per second): `times[c][r][b]` = seconds of one
@@ -25,10 +26,12 @@ the same way, under a key that also names the grid.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -97,32 +100,56 @@ def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
     return rec["costs"][:max_tokens]
 
 
-def draft_round_costs(
-    ident: Sequence[str], k: int, round_seconds: Callable[[int], float], cpu: bool = True
-) -> tuple[float, float]:
-    """(fixed, per token) seconds of a drafting round: round(K) ~ fixed + K * per_token.
+class RoundCosts(NamedTuple):
+    """A drafting round's measured cost, in seconds."""
 
-    `round_seconds(K)` times rounds that draft K tokens; it runs at K = 1 and K = k once per
+    fixed: float  # round(K) ~ fixed + K * per_token: the line through K = 1 and K = k
+    per_token: float
+    curve: list[float]  # round(K) for K = 1..k, piecewise linear through every measured K
+
+
+def draft_round_costs(
+    ident: Sequence[str],
+    k: int,
+    round_seconds: Callable[[int], float],
+    cpu: bool = True,
+    points: Sequence[int] = (),
+) -> RoundCosts:
+    """What a drafting round costs: (fixed, per token) and the curve over K = 1..k.
+
+    `round_seconds(K)` times rounds that draft K tokens; it runs at K = 1, K = k and the
+    drafter's own `points` (where its cost bends: an EAGLE-2 tree of K nodes grows min(K,
+    depth) levels, so its cost rises up to K = depth and stays nearly flat after) once per
     `ident` (what the cost depends on: the drafter's architecture, the target, the machine),
     cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
     `cpu=False`: the rounds run on a device, the host's share of the cores says nothing.
     """
-    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    at = sorted({1, k, *(p for p in points if 1 < p < k)})
+    key = hashlib.sha256("|".join([*ident, ",".join(map(str, at))]).encode()).hexdigest()[:24]
 
     def measure() -> dict:
-        one = round_seconds(1)
-        full = round_seconds(k) if k > 1 else one
+        rounds = {str(n): round_seconds(n) for n in at}
+        one, full = rounds["1"], rounds[str(k)]
         per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
         fixed = max(one - per_token, 0.0)
-        return {"fixed_s": fixed, "per_token_s": per_token, "round_1_s": one, f"round_{k}_s": full}
+        return {"fixed_s": fixed, "per_token_s": per_token, "rounds_s": rounds}
 
     rec = cached_measurement(
         cache_dir() / "profiles" / f"draft-{key}.json",
         measure,
-        valid=lambda old: "fixed_s" in old and "per_token_s" in old,
+        valid=lambda old: "fixed_s" in old and "per_token_s" in old and "rounds_s" in old,
         cpu=cpu,
     )
-    return rec["fixed_s"], rec["per_token_s"]
+    xs = [int(n) for n in sorted(rec["rounds_s"], key=int)]
+    ys = [rec["rounds_s"][str(n)] for n in xs]
+    curve = []
+    for K in range(1, k + 1):  # xs holds 1 and k: every K lies on a measured point or between two
+        j = bisect.bisect_left(xs, K)
+        if xs[j] == K:
+            curve.append(ys[j])
+        else:
+            curve.append(ys[j - 1] + (ys[j] - ys[j - 1]) * (K - xs[j - 1]) / (xs[j] - xs[j - 1]))
+    return RoundCosts(rec["fixed_s"], rec["per_token_s"], curve)
 
 
 def _sync(dev: torch.device) -> None:

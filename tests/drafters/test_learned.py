@@ -196,11 +196,16 @@ def test_adaptive_policy_times_a_learned_drafters_rounds_once(trained, tiny, tmp
     assert pol.draft_fixed > 0 or pol.draft_cost > 0  # measured, not the class default
     assert pol.draft_cost != build_mod.build_drafter("eagle", tiny, str(out)).cost_per_token
     (rec,) = (tmp_path / "profiles").glob("draft-*.json")
-    assert {"fixed_s", "per_token_s", "round_1_s", "round_3_s"} <= set(json.loads(rec.read_text()))
+    timed = json.loads(rec.read_text())
+    assert {"fixed_s", "per_token_s"} <= set(timed) and set(timed["rounds_s"]) == {"1", "3"}
+    c1, c2, c3 = pol.draft_curve  # timed at K = 1 and 3, linear between
+    rounds = timed["rounds_s"]
+    assert c2 == pytest.approx((c1 + c3) / 2) and c3 / c1 == pytest.approx(rounds["3"] / rounds["1"])
     calls = []
     monkeypatch.setattr(build_mod, "_round_seconds", lambda *a, **k: calls.append(a) or 1.0)
     again = build_mod.build(opts).decoder.policy  # cached: the same decisions, nothing timed
     assert not calls and (again.draft_fixed, again.draft_cost) == (pol.draft_fixed, pol.draft_cost)
+    assert again.draft_curve == pol.draft_curve and len(pol.draft_curve) == 3
 
 
 def test_served_tau_is_evaluated_on_a_prompt_sets_heldout_split(
@@ -449,3 +454,43 @@ def test_mtp_drafts_one_module_deeper_once_its_depth_is_accepted_often(tiny, tra
     assert stayed > 0  # one fully accepted round alone did not always earn a module
     assert max(r[0] for seen in rounds.values() for r in seen) == 3  # the tiny drafter gets there
     assert min(max(r[0] for r in seen) for seen in rounds.values()) < 3  # and not always
+
+
+def test_a_small_eagle_tree_grows_only_as_deep_as_it_keeps(tiny, trained, monkeypatch):
+    """An EAGLE-2 round asked for K < num_nodes nodes keeps the best K, none deeper than K (a
+    kept node's ancestors are kept), so it grows min(K, depth) levels: the very drafts of a
+    full-depth growth, with depth - min(K, depth) fewer layer passes a round."""
+    from specdecode.drafters.eagle.drafter import EagleDrafter
+
+    prompts = short_prompts(tiny.tokenizer)
+    real_grow, real_run = EagleDrafter._grow_tree, EagleDrafter._run
+    for k in (1, 2, 3):
+        runs = []
+        for full in (False, True):
+            count = collections.Counter()
+            drafter = _drafter("eagle", trained, tiny, tree=True)
+            depth = drafter.tree.depth
+            levels = depth if full else None
+
+            def grow(self, row, budget, c=count, lv=levels, d=depth):
+                c["rounds"] += 1
+                c["saved"] += d - min(d, budget)  # K, or fewer where max_new_tokens caps it
+                return real_grow(self, row, budget, lv)
+
+            def run(self, *a, c=count):
+                c["passes"] += 1
+                return real_run(self, *a)
+
+            monkeypatch.setattr(EagleDrafter, "_grow_tree", grow)
+            monkeypatch.setattr(EagleDrafter, "_run", run)
+            props = []
+            inner = drafter.propose
+            drafter.propose = lambda batch, n, inner=inner, p=props: p.append(inner(batch, n)) or p[-1]
+            res = decode_fixed_k(tiny, drafter, k, prompts, max_batch=1)
+            drafts = [(p.draft_ids.tolist(), p.parents.tolist()) for p in props if p.parents is not None]
+            tally = count["rounds"], count["passes"], count["saved"]
+            runs.append(([r.token_ids for r in res], drafts, *tally))
+            monkeypatch.undo()
+        (tok_s, drafts_s, rounds, passes_s, saved), (tok_f, drafts_f, rounds_f, passes_f, _) = runs
+        assert tok_s == tok_f and drafts_s == drafts_f and rounds == rounds_f > 3
+        assert passes_f - passes_s == saved >= rounds * (depth - k) // 2

@@ -59,3 +59,19 @@ def test_a_fixed_round_cost_raises_the_acceptance_drafting_needs():
     pol = AdaptiveK(k_max=4, draft_cost=0.02, verify_cost=flat, draft_fixed=0.3)
     assert pol.best_k(0.2) == 0 and pol.round_cost(2) == 1.04 + 0.3 + 0.04
     assert pol.best_k(0.9) == 4  # a predictable text still drafts the most
+
+
+def test_a_measured_round_curve_replaces_the_line():
+    """A tree's round grows one level per K up to its depth, then stays flat: the line through
+    K = 1 and K = 16 puts a 4-node round at a third of its cost. With the measured curve the
+    policy prices K = 4 at what it costs, and at middling acceptance drafts less than the line
+    would have it."""
+    flat = [1.0 + 0.02 * k for k in range(17)]
+    curve = [0.05 + 0.1 * (min(k, 5) - 1) for k in range(1, 17)]  # 0.05 ... 0.45, flat from K = 5
+    line = AdaptiveK(k_max=16, draft_cost=(0.45 - 0.05) / 15, draft_fixed=0.05 - 0.4 / 15, verify_cost=flat)
+    bent = AdaptiveK(k_max=16, draft_cost=0.0, verify_cost=flat, draft_curve=curve)
+    assert bent.round_cost(4) == pytest.approx(1.08 + 0.35) and line.round_cost(4) < 1.08 + 0.2
+    assert bent.round_cost(0) == 1.0 and bent.round_cost(16) == pytest.approx(1.32 + 0.45)
+    assert (line.best_k(0.3), bent.best_k(0.3)) == (2, 1) and (line.best_k(0.5), bent.best_k(0.5)) == (3, 2)
+    with pytest.raises(ValueError, match="draft_curve needs 16"):
+        AdaptiveK(k_max=16, verify_cost=flat, draft_curve=curve[:8])

@@ -39,10 +39,30 @@ def test_drafting_round_costs_measured_on_a_busy_machine_are_measured_again(tmp_
         return 0.001 * (2 + k)
 
     for n in range(1, measured.MAX_ATTEMPTS + 2):
-        fixed, per_token = draft_round_costs(["drafter", "target"], 4, round_seconds)
+        fixed, per_token, _ = draft_round_costs(["drafter", "target"], 4, round_seconds)
         assert timed == [1, 4] * min(n, measured.MAX_ATTEMPTS)
     assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.001)
     (path,) = (tmp_path / "profiles").glob("draft-*.json")
     quiet = {**json.loads(path.read_text()), "fixed_s": 0.5, "cpu_share": 0.9, "attempts": 1}
     path.write_text(json.dumps(quiet))
     assert draft_round_costs(["drafter", "target"], 4, round_seconds)[0] == 0.5
+
+
+def test_drafting_round_curve_passes_through_every_timed_k(tmp_path, monkeypatch):
+    """A drafter that names where its cost bends (a tree: its depth) is timed there too; the
+    curve over K = 1..k is linear between timed points and the (fixed, per token) line still
+    runs through K = 1 and K = k."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
+    timed = []
+
+    def round_seconds(k):
+        timed.append(k)
+        return 0.001 * min(k, 5)
+
+    fixed, per_token, curve = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5, 99))
+    assert timed == [1, 5, 16]  # a point past k is not timed
+    assert curve == pytest.approx([0.001 * min(k, 5) for k in range(1, 17)])
+    assert fixed + per_token == pytest.approx(0.001) and fixed + 16 * per_token == pytest.approx(0.005)
+    _, _, again = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5,))
+    assert again == curve and timed == [1, 5, 16]  # cached

@@ -21,7 +21,8 @@ Contract:
 - Tree (`tree=TreeSpec(depth, topk, num_nodes)`): EAGLE-2. Expand the `topk` children of each of
   the `topk` best frontier nodes by cumulative log-probability for `depth` levels, then keep the
   `num_nodes` best nodes overall (a node's ancestors always rank above it, so the kept set is a
-  tree) and hand them over with parent indices. Siblings are chosen deterministically, so the
+  tree) and hand them over with parent indices. A round asked for K < `num_nodes` keeps K and
+  grows at most K levels (no deeper node could be kept). Siblings are chosen deterministically, so the
   loop verifies them as point-mass candidates (lossless at any temperature). Near-ties in the
   ranking can resolve differently in a batch than alone (float rounding): a seed may then give
   another sample, but the output distribution is the target's either way.
@@ -70,6 +71,7 @@ class EagleDrafter(Drafter):
         self.needs_hidden = tuple(dict.fromkeys(self.layers))
         self.tree = tree
         self.deterministic = tree is not None
+        self.cost_points = (tree.depth,) if tree else ()  # a tree of K nodes grows min(K, depth) levels
         self.cost_per_token = cost_per_token
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
@@ -283,8 +285,13 @@ class EagleDrafter(Drafter):
             num[b] = n
         return Proposal(draft_ids=draft_ids, num_draft=num, parents=parents, tree_iid=False)
 
-    def _grow_tree(self, row: DraftRow, budget: int) -> tuple[list[int], list[int]]:
+    def _grow_tree(
+        self, row: DraftRow, budget: int, levels: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """The `budget` best nodes of a tree grown `levels` deep (default: min(depth, budget),
+        as deep as a kept node can be) -> (tokens, parent positions)."""
         spec, slot = self.tree, row.slot
+        levels = min(spec.depth, budget) if levels is None else levels
         base = self.cache.lengths[slot]
         # Per node: token, parent (-1 = the last committed token), cumulative log-prob, depth.
         toks, pars, scores, depths = [], [], [], []
@@ -305,7 +312,7 @@ class EagleDrafter(Drafter):
 
         frontier = expand([-1], self._last[slot][None])
         next_row = base
-        for _ in range(spec.depth - 1):
+        for _ in range(levels - 1):
             # 1. Run the best `topk` frontier nodes through the layer (one forward).
             frontier = sorted(frontier, key=lambda i: -scores[i])[: spec.topk]
             for i in frontier:
