@@ -26,7 +26,7 @@ from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 
 class AdaptiveK(DraftPolicy):
     MIN_GAIN = 0.05  # drafting must promise at least a 5 % speed-up at perfect acceptance
-    MARGIN = 0.10  # a round must promise 10 % over plain decoding at the estimated acceptance
+    MARGIN = 0.05  # a round must promise 5 % over plain decoding at the estimated acceptance
 
     def __init__(
         self,

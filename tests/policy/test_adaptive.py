@@ -75,3 +75,11 @@ def test_a_measured_round_curve_replaces_the_line():
     assert (line.best_k(0.3), bent.best_k(0.3)) == (2, 1) and (line.best_k(0.5), bent.best_k(0.5)) == (3, 2)
     with pytest.raises(ValueError, match="draft_curve needs 16"):
         AdaptiveK(k_max=16, verify_cost=flat, draft_curve=curve[:8])
+
+
+def test_a_round_must_promise_the_margin_over_plain_decoding():
+    """Free verification and drafting: one draft at acceptance alpha promises 1 + alpha. Below
+    1 + MARGIN the policy decodes plainly (the model leaves out catch-up and probes), above it
+    drafts."""
+    pol = AdaptiveK(k_max=1, draft_cost=0.0, verify_cost=[1.0, 1.0])
+    assert pol.best_k(AdaptiveK.MARGIN * 0.6) == 0 and pol.best_k(AdaptiveK.MARGIN * 1.5) == 1
