@@ -30,9 +30,9 @@ Contract:
   to bf16.
 * `auto_plan(shapes, num_layers, device)` measures the candidate kernels on the model's own
   matrix shapes (random weights, several layers so they do not fit in cache), picks the
-  kernel per bucket from as few weight copies as possible, at most two (a kernel holds its own
-  copy of the weights, except that kernels of one packed layout share one, `LAYOUTS`: a kernel
-  already in the plan serves a bucket where it is within 10 % of the fastest), and
+  kernel per bucket from as few kernels as possible, at most two (each holds its own copy of
+  the weights: a kernel already in the plan serves a bucket where it is within 10 % of the
+  fastest), and
   caches the measurement and the plan as JSON under
   `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count, the
   shapes and the sources of our own kernels. No CPU flag is read to decide: a kernel that is
@@ -70,10 +70,7 @@ _BF16_WEIGHTS = _BF16 | set(OURS)  # kernels whose products see the weights roun
 _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
-MAX_COPIES = 2  # copies of every weight in one plan: a 1.5B model's bf16 copy is 3 GB
-# Kernels that read one packed layout share one copy of each weight in a plan (the AVX512-BF16
-# dot products read the AMX tiles' pair-interleaved blocks as they are).
-LAYOUTS = {"bf16-amx": "bf16-pairs", "bf16-dp": "bf16-pairs"}
+MAX_COPIES = 2  # kernels (copies of every weight) in one plan: a 1.5B model's bf16 copy is 3 GB
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -139,19 +136,12 @@ def _ours(kernel: str, pack: str, linear: str):
     """One of our compiled products (`models/kernels`): the weight packed once by `ops.<pack>`,
     fp32 x in and out (`ops.<linear>`), other dtypes converted around it."""
 
-    def prepare(w: torch.Tensor, b: torch.Tensor | None, shared: dict | None = None) -> Product:
-        """shared: {layout: packed weight} of this Linear, so kernels of one layout (`LAYOUTS`)
-        read one copy."""
+    def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         ops = kernels.fused()
         if ops is None:
             raise RuntimeError(kernels.unavailable.get("cpu", f"the {kernel} kernel is unavailable"))
         n = w.shape[0]
-        layout = LAYOUTS.get(kernel, kernel)
-        packed = None if shared is None else shared.get(layout)
-        if packed is None:
-            packed = getattr(ops, pack)(w.to(torch.bfloat16))
-            if shared is not None:
-                shared[layout] = packed
+        packed = getattr(ops, pack)(w.to(torch.bfloat16))
         bb = None if b is None else b.float()
         op = getattr(ops, linear)
 
@@ -294,22 +284,14 @@ def layer_products(
     return (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd)
 
 
-def copies(kernel_names) -> int:
-    """Copies of every weight a plan of these kernels holds (one per distinct layout)."""
-    return len({LAYOUTS.get(k, k) for k in kernel_names})
-
-
 class Linear:
-    """One projection in a plan's formats: each distinct layout holds its own copy of the weight
-    (kernels of one layout, `LAYOUTS`, read the same copy)."""
+    """One projection in a plan's formats: each distinct kernel holds its own copy of the weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: FormatPlan) -> None:
         made: dict[str, Product] = {}
-        shared: dict = {}
         for k in plan.kernels:
             if k not in made:
-                kw = {"shared": shared} if k in LAYOUTS else {}  # one copy per layout
-                made[k] = KERNELS[k](weight, bias, **kw)
+                made[k] = KERNELS[k](weight, bias)
         self._by_bucket = [made[k] for k in plan.kernels]
         self.macs = weight.shape[0] * weight.shape[1]  # multiply-adds per row
 
@@ -398,13 +380,13 @@ def measure_kernels(
 
 
 def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLAN_SLACK) -> FormatPlan:
-    """The fastest kernel per bucket, from as few weight copies as possible.
+    """The fastest kernel per bucket, from as few kernels as possible.
 
-    Every distinct layout in a plan holds its own copy of every weight (kernels of one layout,
-    `LAYOUTS`, share it), so a plan takes the set of kernels with the fewest copies in which
-    each bucket has one within `slack` of that bucket's fastest (ties: the least total time),
-    then the fastest of the set per bucket; never more than `MAX_COPIES` copies (if no set
-    that small covers every bucket within the slack: the set with the least total time).
+    Every distinct kernel in a plan holds its own copy of every weight, so a plan takes the
+    smallest set of kernels in which each bucket has one within `slack` of that bucket's
+    fastest (ties: the least total time), then the fastest of the set per bucket; never more
+    than `MAX_COPIES` kernels (if none that few cover every bucket within the slack: the set
+    of that size with the least total time).
     """
     best = []
     for bi in range(len(BUCKETS)):
@@ -414,11 +396,8 @@ def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLA
         best.append(min(timed))
     names = [k for k, v in profile.items() if any(t is not None for t in v)]
     ranked = []  # (outside the slack somewhere, kernels if not, total ms, plan)
-    sharing = len(names) - copies(names)  # kernels that add no copy to a set holding their layout
-    for size in range(1, min(MAX_COPIES + sharing, len(names)) + 1):
+    for size in range(1, min(MAX_COPIES, len(names)) + 1):
         for ks in itertools.combinations(names, size):
-            if copies(ks) > MAX_COPIES:
-                continue
             chosen = []
             for bi in range(len(BUCKETS)):
                 timed = [k for k in ks if profile[k][bi] is not None]
@@ -427,9 +406,8 @@ def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLA
                 continue
             loose = any(profile[k][bi] > best[bi] * slack for bi, k in enumerate(chosen))
             total = sum(profile[k][bi] for bi, k in enumerate(chosen))
-            used = copies(set(chosen))
-            ranked.append((loose, 0 if loose else used, total, used, tuple(chosen)))
-    return FormatPlan(min(ranked)[-1])
+            ranked.append((loose, 0 if loose else size, total, tuple(chosen)))
+    return FormatPlan(min(ranked)[3])
 
 
 def auto_plan(
@@ -450,7 +428,6 @@ def auto_plan(
         ",".join(AUTO_CANDIDATES),
         ",".join(map(str, BUCKETS)),
         f"{PLAN_SLACK},{MAX_COPIES}",
-        json.dumps(LAYOUTS, sort_keys=True),  # a plan may mix kernels of one layout
         kernels.source_tag(),  # our kernels changed: time them again
     ]
     key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]

@@ -105,31 +105,6 @@ def test_profile_keeps_few_copies_of_the_weights():
     assert formats.plan_from_profile(profile).kernels == ("bf16-amx",) * len(BUCKETS)
 
 
-def test_kernels_of_one_layout_share_a_copy():
-    """The AVX512-BF16 dot products read the AMX kernel's packed blocks: a plan of both holds
-    one copy, so (this morning's AMX measurement) dp serves one to four rows, AMX the verify
-    blocks and oneDNN the prefill, where two copies could not cover every bucket within the
-    slack; a Linear of such a plan packs the weight once."""
-    profile = {
-        "bf16w": [10.0, 10.5, 14.0, 24.1, 39.1, 115.9, 441.5, None],
-        "bf16-amx": [12.0, 12.5, 12.9, 14.1, 15.1, 29.9, 92.0, 236.9],
-        "bf16-dp": [11.0, 11.3, 12.4, 15.9, 27.2, 93.3, 362.2, None],
-        "bf16-onednn": [17.5, 18.9, 18.2, 20.0, 20.1, 32.7, 91.7, 171.9],
-    }
-    plan = formats.plan_from_profile(profile)
-    assert plan.kernels == ("bf16-dp",) * 3 + ("bf16-amx",) * 3 + ("bf16-onednn",) * 2
-    assert formats.copies(plan.kernels) == 2
-    del profile["bf16-dp"]  # without it the pair that covers most buckets is slower at one row
-    assert formats.plan_from_profile(profile).kernels[0] == "bf16-amx"
-    w = torch.randn(64, 96)
-    for name in ("bf16-dp", "bf16-amx"):
-        _available(name, w, None)  # skips where the CPU lacks it
-    lin = formats.Linear(w, None, formats.FormatPlan(("bf16-dp",) * 4 + ("bf16-amx",) * 4))
-    assert lin.ours(1)[1] is lin.ours(16)[1]  # one packed tensor for both kernels
-    x = torch.randn(3, 96)
-    torch.testing.assert_close(lin(x), x @ w.t(), rtol=0.05, atol=0.05)
-
-
 def test_large_buckets_race_only_the_kernels_near_the_fastest(monkeypatch):
     import time
 
