@@ -216,8 +216,7 @@ def drafter_round_costs(tgt, drf, method: str, k: int):
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     ident.append(_drafting_code_tag())  # faster drafting code is measured anew
     cpu = tgt.model.info.device.type == "cpu"
-    points = getattr(drf, "cost_points", ())
-    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu, points=points)
+    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu, points=drf.cost_points)
 
 
 def build(options: LoadOptions) -> SpecDecode:

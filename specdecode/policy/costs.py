@@ -6,27 +6,18 @@ longest block sets the work) over `context` committed tokens, plus drafting `blo
 at `draft_cost` target steps each. `sps(rows, block, context)` = 1 / time: SPS(B) for
 B = rows x block tokens. `StepCostModel.measured(...)` reads the profile of `profile.py`
 (measured once per machine and cached); `flat` / `linear` are synthetic models for tests.
-`interp` / `fill_gaps` are the piecewise-linear helpers both this model and the scheduler use.
+`fill_gaps` (and `interp`, from `profile.py`, which times drafting rounds with it) are the
+piecewise-linear helpers both this model and the scheduler use.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdecode.policy.profile import batch_step_costs
+from specdecode.policy.profile import batch_step_costs, interp
 
 PROFILE_CONTEXTS = (256, 1024)
-
-
-def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), extrapolated linearly past both ends (xs ascending)."""
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
 
 
 def fill_gaps(values: Sequence[float | None], default: float, first: float | None = None) -> list[float]:

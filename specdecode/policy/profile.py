@@ -15,7 +15,8 @@ The adaptive draft-length policy reads these costs instead of assuming either.
 
 `draft_round_costs(ident, k, round_seconds, points=())` is what a learned drafter's round costs
 (fixed + per token, and the curve over K through every K it timed: 1, k and the drafter's
-`points`), timed once per drafter architecture, target and machine.
+`points`), timed once per drafter architecture, target and machine. `interp(xs, ys, x)`: the
+piecewise-linear helper it and the step-cost model (`costs.py`) read curves with.
 
 `batch_step_costs(model, fingerprint, rows, blocks, contexts)` is the serving-time profile the
 DSpark-style scheduler reads (SPS, target steps per second): `times[c][r][b]` = seconds of one
@@ -140,16 +141,18 @@ def draft_round_costs(
         valid=lambda old: "fixed_s" in old and "per_token_s" in old and "rounds_s" in old,
         cpu=cpu,
     )
-    xs = [int(n) for n in sorted(rec["rounds_s"], key=int)]
-    ys = [rec["rounds_s"][str(n)] for n in xs]
-    curve = []
-    for K in range(1, k + 1):  # xs holds 1 and k: every K lies on a measured point or between two
-        j = bisect.bisect_left(xs, K)
-        if xs[j] == K:
-            curve.append(ys[j])
-        else:
-            curve.append(ys[j - 1] + (ys[j] - ys[j - 1]) * (K - xs[j - 1]) / (xs[j] - xs[j - 1]))
+    xs = sorted(int(n) for n in rec["rounds_s"])  # holds 1 and k: no K of the curve lies outside
+    curve = [interp(xs, [rec["rounds_s"][str(n)] for n in xs], K) for K in range(1, k + 1)]
     return RoundCosts(rec["fixed_s"], rec["per_token_s"], curve)
+
+
+def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extrapolated linearly past both ends (xs ascending)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
 
 
 def _sync(dev: torch.device) -> None:

@@ -182,19 +182,20 @@ class MTPDrafter(Drafter):
         not. A catch-up longer than a block goes first, in blocks. None: too early in the
         sequence for this depth (its catch-up is still done)."""
         hist, n, slot = self.hist[row.slot], len(row.token_ids) - 1, row.slot
-        c, known = self.caches[k - 1].lengths[slot], len(hist[k - 1]) - 1
-        if n - k + 1 - c + k - 1 > CATCH_UP_ROWS or known < n - k + 1:
+        if len(hist[k - 1]) < n - k + 2:  # depth k-1 has no state at n - k + 1 yet
             self._commit_known(row, k)
-            c = self.caches[k - 1].lengths[slot]
-            if c != n - k + 1 or known < n - k + 1:
-                return None
+            return None
+        if n - self.caches[k - 1].lengths[slot] > CATCH_UP_ROWS:  # commits up to n - k
+            self._commit_known(row, k)
+        c = self.caches[k - 1].lengths[slot]
         h_prev = torch.cat([hist[k - 1].view[c:], spec_prev])  # [n - c, d] positions c..n-1
         toks = (row.token_ids + drafts)[c + k : n + k]
         if h_prev.shape[0] != len(toks):
             return None
-        out = self._run(k, slot, h_prev, toks, c, commit=n - k + 1 - c)
-        hist[k].append(out[: n - k + 1 - c])
-        return out[n - k + 1 - c :]
+        known = n - k + 1 - c  # rows whose token t_{i+k} is known: committed
+        out = self._run(k, slot, h_prev, toks, c, commit=known)
+        hist[k].append(out[:known])
+        return out[known:]
 
     def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Module k's draft-vocabulary logits [1, Vd] of one state [d] (MTP.logits' function)."""
