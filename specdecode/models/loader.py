@@ -18,6 +18,7 @@ Contract:
 * `LoadedModel.vocab_size` is the tokenizer's size (what sampling may emit); the model's head
   may have more rows (`model.info.vocab_size`). `eos_token_ids` merges the tokenizer's,
   config's and generation config's end-of-sequence ids.
+* A model on the CPU sets the process's malloc to keep freed buffers (`host_memory`).
 * Fingerprints: `tokenizer_fingerprint` hashes the sorted vocabulary and the special tokens;
   `model_fingerprint(config, tokenizer)` adds the architecture fields, so a trained drafter
   can check that it is paired with the target it was trained for.
@@ -40,6 +41,7 @@ from specdecode import assets
 from specdecode.errors import SpecDecodeError
 from specdecode.models import formats
 from specdecode.models.hf_adapter import HFAdapter
+from specdecode.models.host_memory import keep_freed_memory
 from specdecode.models.native import NativeDecoder
 from specdecode.models.native_spec import NATIVE_MODEL_TYPES
 
@@ -93,6 +95,8 @@ def load_model(
             f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
         )
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        keep_freed_memory()  # per-step buffers stay in the heap (models/host_memory.py)
     fmt = dtype if isinstance(dtype, str) and dtype in FORMATS else None
     if fmt == "auto" and dev.type != "cpu":
         fmt, dtype = None, "bf16"

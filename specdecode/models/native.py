@@ -33,7 +33,6 @@ H heads, Hk KV heads, G = H / Hk, D head dim, d hidden, I intermediate, V head r
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -53,6 +52,7 @@ from specdecode.models.base import (
     host_list,
 )
 from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan, layer_products
+from specdecode.models.host_memory import release_freed_memory
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.native_spec import NativeSpec
 
@@ -645,14 +645,6 @@ class NativeDecoder(nn.Module):
             self.plan = forced_plan("bf16" if p.dtype == torch.bfloat16 else "fp32", p.device)
         self._refresh()
         return out
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps large freed blocks otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _replace_info(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> ModelInfo:
