@@ -6,19 +6,25 @@ bytes one decoding step must stream (the native runtime: the weight copies its o
 read; other models: every parameter once, in its stored dtype).
 `ar_ceiling(model, bandwidth)` = bandwidth / weight_bytes: the most tokens/s plain batch-1
 decoding can reach on this machine, since each step reads all weights at least once.
-`machine_info()` names the CPU/GPU, its bf16 support and the library versions for reports.
+`machine_info()` names the CPU/GPU, its bf16 support and the library versions for reports; under
+a cap of PyTorch's CPU capability (the AVX2 kind emulated, `kernels.barred`) its bf16 entry says so.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import platform
 import statistics
 import time
 
 import torch
 
+from specdecode.models import kernels
 from specdecode.models.native import NativeDecoder
+
+# the variables that emulate the AVX2 kind on a bigger CPU (shared ASSETS)
+_ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def measure_read_bandwidth(
@@ -80,6 +86,10 @@ def machine_info() -> dict:
         info["bf16_gemm"] = (
             "AMX" if "amx_bf16" in text else "AVX512-BF16" if "avx512_bf16" in text else "none"
         )
+        cap = kernels.capped_isa()
+        if cap is not None:  # the AVX2 kind emulated: say so wherever the machine is named
+            env = " ".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if k in os.environ)
+            info["bf16_gemm"] = f"none: kernels capped to {cap} ({env}) on a CPU with {info['bf16_gemm']}"
     except (OSError, StopIteration):
         info["cpu"] = platform.processor() or platform.machine()
     if torch.cuda.is_available():

@@ -15,7 +15,8 @@ Contract:
     CPUs whose bf16 GEMMs are slow; absent where it cannot be built;
   - `bf16-amx`: bf16 weights and activations (x rounded to bf16 per product), fp32
     accumulation, on AMX tiles (`models/kernels/amx.cpp`): up to 16 rows cost what one costs;
-    absent where the CPU or the OS gives no AMX;
+    absent where the CPU or the OS gives no AMX, or PyTorch's CPU capability is capped below
+    AVX-512 (`kernels.barred`: how the AVX2 kind is emulated);
   - `bf16-dp`: the same arithmetic on AVX512-BF16 dot-product instructions
     (`models/kernels/bf16dp.cpp`), for CPUs that have those but no AMX; absent elsewhere;
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
@@ -140,6 +141,9 @@ def _ours(kernel: str, pack: str, linear: str):
         ops = kernels.fused()
         if ops is None:
             raise RuntimeError(kernels.unavailable.get("cpu", f"the {kernel} kernel is unavailable"))
+        why = kernels.barred(pack)
+        if why:
+            raise RuntimeError(why)
         n = w.shape[0]
         packed = getattr(ops, pack)(w.to(torch.bfloat16))
         bb = None if b is None else b.float()

@@ -81,6 +81,22 @@ def test_plan_dispatches_by_rows_and_names_itself():
         FormatPlan(("fp32",))
 
 
+@pytest.mark.parametrize("name", ["bf16-amx", "bf16-dp"])
+def test_a_capped_cpu_capability_bars_our_avx512_products(name, monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (the AVX2 kind emulated) caps our kernels like PyTorch's: the AMX
+    and AVX512-BF16 products are refused, so `auto` cannot pick them; the AVX2 ones stay."""
+    w = torch.randn(32, 64)
+    _available(name, w, None)  # skips where this CPU lacks it anyway
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.raises(RuntimeError, match="capped to AVX2"):
+        KERNELS[name](w, None)
+    assert formats.measure_kernels([(32, 64)], None, 1, candidates=[name, "fp32"], buckets=(1,), repeats=1)[
+        name
+    ] == [None]
+    KERNELS["bf16w"](w, None)  # AVX2 + FMA: allowed under the cap (where the extension builds)
+
+
 def test_profile_picks_the_fastest_kernel_per_bucket():
     n = len(BUCKETS)
     profile = {"fp32": [2.0] * n, "bf16": [1.0] + [3.0] * (n - 1), "fp32-mkl": [None] * n}

@@ -26,6 +26,11 @@ Contract:
   sources' hash and the torch version; the first build takes about a minute, later loads are
   instant.
 - `SPECDECODE_NO_KERNELS=1` disables them (e.g. to compare against stock PyTorch).
+- `barred(pack)`: the AMX and AVX512-BF16 products need more than AVX2 + FMA; where PyTorch's own
+  kernels are capped below AVX-512 (`ATEN_CPU_CAPABILITY=avx2`, with ONEDNN_MAX_CPU_ISA and
+  MKL_ENABLE_INSTRUCTIONS the way to run the AVX2 kind's kernels on a bigger CPU) ours are
+  capped alike: `models.formats` treats a barred kernel as refused here. A cap, not a CPU flag:
+  on an uncapped CPU only timing decides.
 """
 
 from __future__ import annotations
@@ -90,6 +95,23 @@ def _ops():
     except Exception as e:  # no compiler, no ninja, a failed build: the kernels are just absent
         unavailable["cpu"] = f"could not build {', '.join(SOURCES)}: {type(e).__name__}: {str(e)[:300]}"
         return None
+
+
+_AVX512_PACKS = ("bf16amx_pack", "bf16dp_pack")  # products beyond the extension's AVX2 + FMA
+
+
+def capped_isa() -> str | None:
+    """PyTorch's CPU capability when it is capped below AVX-512 (ATEN_CPU_CAPABILITY), else None."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if os.environ.get("ATEN_CPU_CAPABILITY") and cap in ("DEFAULT", "AVX2") else None
+
+
+def barred(pack: str) -> str | None:
+    """Why the product packed by `pack` may not run in this process (see docstring), or None."""
+    cap = capped_isa()
+    if cap is not None and pack in _AVX512_PACKS:
+        return f"{pack}'s kernel needs AVX-512; PyTorch's CPU capability is capped to {cap}"
+    return None
 
 
 def fused():
