@@ -8,10 +8,10 @@
 //
 // Layout: w is repacked into blocks of 16 output rows, transposed: P[blk][k][16]. A step of k
 // reads 16 consecutive bf16 (one per output), widens them into two fp32 vectors and multiplies
-// them by x[m, k] broadcast, for up to 4 rows of x at once: 2 FMAs per row per 16 weights and no
+// them by x[m, k] broadcast, for up to 6 rows of x at once: 2 FMAs per row per 16 weights and no
 // horizontal sums, so more rows cost FMAs, not passes over memory. Each thread owns a range of
-// blocks and sweeps it a few blocks at a time, each sweep against every row (4 at a time, the
-// blocks still in cache for the next 4): every byte is read from memory once per call.
+// blocks and sweeps it a few blocks at a time, each sweep against every row (6 at a time, the
+// blocks still in cache for the next 6): every byte is read from memory once per call.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -117,12 +117,14 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& P, int6
     for (int64_t c0 = b0; c0 < b1; c0 += SWEEP) {
       const int64_t c1 = std::min(b1, c0 + SWEEP);
       int64_t m = 0;
-      // 4 rows: 8 accumulators; more would spill registers (16 on AVX2) and cost more than a
-      // second pass over a block that is still in L1/L2
-      for (; m + 4 <= M; m += 4) prange<4, 1>(xp + m * K, K, pp, bp, yp + m * N, N, c0, c1);
+      // 6 rows: 12 accumulators + 2 weight vectors + a broadcast fill AVX2's 16 registers;
+      // more would spill and cost more than a second pass over blocks still in L1/L2
+      for (; m + 6 <= M; m += 6) prange<6, 1>(xp + m * K, K, pp, bp, yp + m * N, N, c0, c1);
       const float* xr = xp + m * K;
       float* yr = yp + m * N;
       switch (M - m) {
+        case 5: prange<5, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
+        case 4: prange<4, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
         case 3: prange<3, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
         case 2: prange<2, 2>(xr, K, pp, bp, yr, N, c0, c1); break;
         case 1: prange<1, 3>(xr, K, pp, bp, yr, N, c0, c1); break;
