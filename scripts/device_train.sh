@@ -6,9 +6,11 @@
 #
 #   here:    bash scripts/device_train.sh prepare      # .device/ (git-ignored): payload-1..3, and
 #                                                     # the shipped drafter weights moved to .device/stash
-#   device:  run command="bash scripts/device_train.sh receive" carry=[".device/payload-1"]   timeout_s=120
+#   device:  run command="bash scripts/device_train.sh receive && bash scripts/device_check.sh"
+#                carry=[".device/payload-1"]   timeout_s=420   # the prepared check rides on the first part
 #   device:  run command="bash scripts/device_train.sh receive" carry=[".device/payload-2"]   timeout_s=120
-#   device:  run command="bash scripts/device_train.sh train"   carry=[".device/payload-3"]   timeout_s=590
+#   device:  run command="TRAIN_MIN=N bash scripts/device_train.sh train" carry=[".device/payload-3"]
+#                timeout_s=N*60+150                           # N: what the lease's budget_left_s allows
 #   here:    bash scripts/device_train.sh restore FILES_AT   # drafter weights back into the tree;
 #                                                           # the GPU checkpoints into runs/train/gpu-*
 # (`stash` alone moves the drafter weights out, `restore` alone puts them back: any device call,
@@ -17,10 +19,13 @@
 # Call the three device runs back to back (each within 30 s of the last, or the machine goes back
 # and the parts are lost). `train` assembles and checks the GGUF, converts it with transformers
 # (the `gguf` wheel travels in the payload: the machine has no network), unpacks the committed
-# regenerated data, optionally regenerates more for REGEN_S seconds (resumable, packed back to
-# $OUT), then trains METHODS (default dspark,eagle) side by side, warm-started from the
-# checkpoints in the payload, for TRAIN_MIN minutes, and splits each checkpoint into <16 MiB parts
-# in $OUT. Everything also runs on the CPU (DEVICE=cpu) for a dry run of the plumbing.
+# regenerated data (both committed sets), optionally regenerates more for REGEN_S seconds
+# (resumable, packed back to $OUT), then trains METHODS (default dspark,eagle) side by side,
+# warm-started from the checkpoints in the payload, for TRAIN_MIN minutes with the learning rate
+# annealed to that limit (the GPU's step rate is not known beforehand), and splits each checkpoint
+# into <16 MiB parts in $OUT. The payload also carries the transformers and gguf wheels this
+# project pins (the machine's own transformers is another minor, and GGUF loading changes between
+# minors). Everything also runs on the CPU (DEVICE=cpu) for a dry run of the plumbing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,7 +35,8 @@ METHODS=${METHODS:-dspark,eagle}
 DEVICE=${DEVICE:-cuda}
 TRAIN_MIN=${TRAIN_MIN:-6}
 REGEN_S=${REGEN_S:-0}
-STEPS=${STEPS:-20000}
+STEPS=${STEPS:-10000}  # a ceiling: the schedule ends at TRAIN_MIN (--anneal-to-time-limit)
+WARMUP=${WARMUP:-200}
 TOKENS=${TOKENS:-16384}
 PART_MB=15  # files back from $OUT: 16 MiB each at most
 
@@ -44,15 +50,16 @@ a = get_model_asset('smollm2-135m'); print(locate(*a.parts[0]))")
   for i in 1 2 3; do mv "$DEV/gguf-part-0$((i - 1))" "$DEV/payload-$i/gguf-part-$i"; done
   python -c "from specdecode.assets import get_model_asset; a = get_model_asset('smollm2-135m'); \
 print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
-  pip download gguf --no-deps -q -d "$DEV/payload-1/wheels"
-  # warm starts: the best runs here, else the shipped drafters (config + weights, no optimiser)
-  i=1
+  pip download gguf==0.19.0 transformers==5.24.0 --no-deps -q -d "$DEV/payload-1/wheels"
+  # warm starts: the best runs here, else the shipped drafters (config + weights, no optimiser);
+  # payloads 2 and 3 (payload 1 holds the wheels)
+  i=2
   for m in ${METHODS//,/ }; do
     src=runs/train/$m-best
     [ -f "$src/model.safetensors" ] || src=specdecode/data/drafters/smollm2-135m-$m
     mkdir -p "$DEV/payload-$i/init/$m"
     cp "$src/config.json" "$src/model.safetensors" "$DEV/payload-$i/init/$m/"
-    i=$((i % 2 + 1))
+    i=$((5 - i))  # 2, 3, 2, ...
   done
   stash
   du -sh "$DEV"/payload-* ; echo "tree without the drafter weights: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1)"
@@ -85,18 +92,22 @@ train() {
   [ -f "$WORK/model/config.json" ] || python3 -c "from pathlib import Path; from specdecode.assets import convert_gguf; \
 convert_gguf(Path('$WORK/$name'), Path('$WORK/model'))"
   python3 -m specdecode.cli data unpack data/regen/smollm2-135m.npz --out "$WORK/regen"
+  python3 -m specdecode.cli data unpack data/regen/smollm2-135m-chat.npz --out "$WORK/regen-chat"
   if [ "$REGEN_S" -gt 0 ]; then
     [ -d "$WORK/prompts" ] || python3 -m specdecode.cli data build --out "$WORK/prompts" --num-prompts 6481
     timeout -s TERM "$REGEN_S" python3 -m specdecode.cli data regen --target "$WORK/model" --data "$WORK/prompts" \
       --out "$WORK/regen" --samples 4 --batch-size 256 --max-new-tokens 256 --seed 0 --device "$DEVICE" || true
     python3 -m specdecode.cli data pack --data "$WORK/regen" --out "$OUT/regen.npz"
   fi
-  python3 -m specdecode.cli train "$METHODS" --target "$WORK/model" --data "$WORK/regen" --out "$WORK/train" \
-    --device "$DEVICE" --bf16 --steps "$STEPS" --tokens-per-batch "$TOKENS" --warmup-steps 50 --lr 5e-4 \
-    --checkpoint-every 200 --eval-prompts 0 --time-limit "$TRAIN_MIN" --init-from "$WORK/init" 2>&1 \
+  python3 -m specdecode.cli train "$METHODS" --target "$WORK/model" --data "$WORK/regen,$WORK/regen-chat" \
+    --out "$WORK/train" --device "$DEVICE" --bf16 --steps "$STEPS" --tokens-per-batch "$TOKENS" \
+    --warmup-steps "$WARMUP" --lr 5e-4 --checkpoint-every 500 --eval-prompts 0 --time-limit "$TRAIN_MIN" \
+    --anneal-to-time-limit --init-from "$WORK/init" 2>&1 \
     | tr '\r' '\n' | grep -v '^$' | tail -40 | tee "$OUT/train.log"
   for m in ${METHODS//,/ }; do
     cp "$WORK/train/$m/config.json" "$OUT/$m-config.json"
+    # at most 8 files come back: the logs' last records ride in train.log
+    [ ! -f "$WORK/train/$m/log.jsonl" ] || { echo "== $m log.jsonl"; tail -3 "$WORK/train/$m/log.jsonl"; } >> "$OUT/train.log"
     split -b "${PART_MB}M" -d "$WORK/train/$m/model.safetensors" "$OUT/$m-model.part-"
   done
   ls -la "$OUT"

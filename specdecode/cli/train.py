@@ -80,6 +80,12 @@ def add_parsers(sub) -> None:
         help="minutes: save and stop after the step that passes this much training time (resume later)",
     )
     t.add_argument(
+        "--anneal-to-time-limit",
+        action="store_true",
+        help="end the learning-rate schedule at --time-limit (or at --steps, if reached sooner): "
+        "a one-shot run on a machine of unknown speed",
+    )
+    t.add_argument(
         "--offline-vs-served",
         action="store_true",
         help="do not train: compare the run in --out (its trainer.pt), teacher-forced on the held-out "
@@ -203,6 +209,7 @@ def train(a: argparse.Namespace) -> None:
         bf16=a.bf16,
         stop_at=a.stop_at,
         time_limit_s=None if a.time_limit is None else 60 * a.time_limit,
+        anneal_to_time_limit=a.anneal_to_time_limit,
     )
     methods = split_methods(a.method)
     many = len(methods) > 1

@@ -88,6 +88,7 @@ class TrainConfig:
     bf16: bool = False  # autocast the drafter's forward in bf16
     stop_at: int | None = None  # save and return after this step, as if killed (time-boxed runs)
     time_limit_s: float | None = None  # save and return after the step that passes this wall time
+    anneal_to_time_limit: bool = False  # the schedule ends at the time limit (or at `steps`, if sooner)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,8 +101,9 @@ class TrainConfig:
             raise SpecDecodeError(f"--lr must be > 0, got {self.lr}")
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at cfg.steps."""
+def lr_at(step: float, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at cfg.steps (`step` may
+    be fractional: a time-annealed run passes its progress in steps' units)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -174,6 +176,7 @@ class _Run:
     opt: torch.optim.Optimizer
     step: int = 0
     wall: float = 0.0
+    lr: float = 0.0  # the learning rate of the step in flight (before any group's lr_scale)
     stopped: bool = False
     last: dict = field(default_factory=dict)
 
@@ -288,6 +291,15 @@ class _Session:
         b["index"] = torch.tensor(idx)
         return b
 
+    def progress(self, r: _Run) -> float:
+        """Where run r is on its schedule, in steps: its step, or with `anneal_to_time_limit` the
+        larger of that and the share of the time limit spent (times `steps`), so a run boxed in time
+        (a lent GPU of unknown speed) still decays its learning rate to the end."""
+        limit = r.cfg.time_limit_s
+        if not (r.cfg.anneal_to_time_limit and limit):
+            return r.step
+        return max(r.step, (time.perf_counter() - self.started) / limit * r.cfg.steps)
+
     def forward_backward(self, active: list[_Run]) -> dict[int, tuple[float, int, dict]]:
         """Set each run's learning rate, then accumulate its gradients over this step's
         micro-batches; runs at the same cursor share one feature forward of the target (its time
@@ -295,8 +307,9 @@ class _Session:
         base, world = self.base, self.world
         out = {id(r): (0.0, 0, {}) for r in active}
         for r in active:
+            r.lr = lr_at(self.progress(r), r.cfg)
             for g in r.opt.param_groups:
-                g["lr"] = lr_at(r.step, r.cfg) * g.get("lr_scale", 1.0)
+                g["lr"] = r.lr * g.get("lr_scale", 1.0)
         for micro in range(base.grad_accum):
             by_cursor: dict[int, list[_Run]] = {}
             for r in active:
@@ -334,7 +347,7 @@ class _Session:
         bar.update(1)
         rec = {
             "step": r.step,
-            "lr": lr_at(r.step - 1, r.cfg),
+            "lr": r.lr,
             "grad_norm": round(float(gnorm), 4),
             "tok_s": round(tokens * self.world / took, 1),
             **{k: round(v, 4) for k, v in logs.items()},

@@ -91,6 +91,20 @@ def test_a_time_limit_saves_and_stops_like_a_kill(data, tmp_path):
     assert res["step"] == 6
 
 
+def test_a_time_annealed_run_decays_its_learning_rate_to_the_time_limit(data, tmp_path):
+    target, regen = data
+    logged = {}
+    for anneal in (False, True):
+        out = tmp_path / f"anneal-{anneal}"
+        boxed = cfg(out, time_limit_s=1e-6, anneal_to_time_limit=anneal, log_every=1)
+        res = run_training("eagle", target, regen, out, boxed, KW["eagle"], progress=False)
+        assert res["stopped_at"] == 1
+        logged[anneal] = json.loads((out / "log.jsonl").read_text().splitlines()[0])["lr"]
+    lr, floor = cfg(tmp_path).lr, cfg(tmp_path).lr * cfg(tmp_path).min_lr_ratio
+    assert logged[False] == pytest.approx(lr / 2)  # warm-up: step 1 of 2, the time limit ignored
+    assert logged[True] == pytest.approx(floor)  # the whole time limit spent: the schedule's end
+
+
 def test_init_from_starts_each_method_from_a_checkpoint_and_refuses_another_architecture(data, tmp_path):
     target, regen = data
     first = tmp_path / "first"
