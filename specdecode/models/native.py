@@ -495,7 +495,7 @@ class NativeDecoder(nn.Module):
             qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
             o = attend(qw, keys, values, plan.mask)[plan.window]
         if N == 1:
-            return o.view(B, H * D)
+            return o.reshape(B, H * D)  # SDPA on CUDA may return it strided
         return o.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B * N, H * D)
 
     def _plan(self, B, N, cache: KVCache, slots, num_new, tree_mask) -> _Plan:
