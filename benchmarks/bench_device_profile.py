@@ -34,12 +34,15 @@ def random_model(shape: dict, dtype: torch.dtype, device: str) -> NativeDecoder:
     cfg = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5)
     d, inter, H, Hk = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = d // H
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
-    def w(*s):
-        return (torch.randn(*s, generator=g) * 0.02).to(dtype)
+    def w(*s):  # drawn on the device: 7B values drawn on one CPU thread outlast a device call
+        return (torch.randn(*s, generator=g, device=device) * 0.02).to(dtype)
 
-    t = {"model.embed_tokens.weight": w(cfg.vocab_size, d), "model.norm.weight": torch.ones(d, dtype=dtype)}
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    t = {"model.embed_tokens.weight": w(cfg.vocab_size, d), "model.norm.weight": ones(d)}
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = w(cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
@@ -48,8 +51,8 @@ def random_model(shape: dict, dtype: torch.dtype, device: str) -> NativeDecoder:
                   a + "v_proj.weight": w(Hk * D, d), a + "o_proj.weight": w(d, H * D),
                   m + "gate_proj.weight": w(inter, d), m + "up_proj.weight": w(inter, d),
                   m + "down_proj.weight": w(d, inter),
-                  f"model.layers.{i}.input_layernorm.weight": torch.ones(d, dtype=dtype),
-                  f"model.layers.{i}.post_attention_layernorm.weight": torch.ones(d, dtype=dtype),
+                  f"model.layers.{i}.input_layernorm.weight": ones(d),
+                  f"model.layers.{i}.post_attention_layernorm.weight": ones(d),
                   })  # fmt: skip
     return NativeDecoder.from_hf(cfg, t, dtype, device)
 
@@ -91,6 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     rows = []
+    name = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     for shape in a.shapes.split(","):
         for dt in a.dtypes.split(","):
             model = random_model(SHAPES[shape], dtypes[dt], a.device)
@@ -98,11 +102,13 @@ def main() -> None:
                 t = profile(model, a.device, batch)
                 rows.append({"shape": shape, "dtype": dt, "batch": batch, "ms": t, "t8_over_t1": t[8] / t[1]})
                 print(rows[-1], flush=True)
+                write(Path(a.out), name, rows)  # after every row: a call cut short keeps what it measured
             del model
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
-    out = Path(a.out)
+
+
+def write(out: Path, name: str, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "device-profile.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
     lines = [f"# Native runtime step costs on {name} (random weights, 256-token cache)", "",

@@ -98,7 +98,12 @@ def regen_and_train(model_dir, tmp_path, device: str) -> list[dict]:
     target = load_model(str(model_dir), dtype="fp32", device=device)
     regenerate(target, prompts, regen, splits=("train",), max_new_tokens=16, batch_size=4, progress=False)
     cfg = TrainConfig(
-        out_dir=str(tmp_path / "train"), steps=3, warmup_steps=1, tokens_per_batch=128, eval_prompts=0, bf16=True
+        out_dir=str(tmp_path / "train"),
+        steps=3,
+        warmup_steps=1,
+        tokens_per_batch=128,
+        eval_prompts=0,
+        bf16=True,
     )
     kw = {"dspark": {"draft_vocab_size": 128, "markov_rank": 8}, "eagle": {"draft_vocab_size": 128}}
     return run_training("dspark,eagle", target, regen, tmp_path / "train", cfg, kw, progress=False)
