@@ -12,7 +12,7 @@
 #   device:  run command="TRAIN_MIN=N bash scripts/device_train.sh train" carry=[".device/payload-3"]
 #                timeout_s=N*60+150                           # N: what the lease's budget_left_s allows
 #   here:    bash scripts/device_train.sh restore FILES_AT   # drafter weights back into the tree;
-#                                                           # the GPU checkpoints into runs/train/gpu-*
+#                                                           # the GPU checkpoints (int8) into runs/train/gpu-*
 # (`stash` alone moves the drafter weights out, `restore` alone puts them back: any device call,
 # scripts/device_check.sh too, needs the tree under 64 MiB.)
 #
@@ -20,7 +20,7 @@
 # and the parts are lost). `train` assembles and checks the GGUF, converts it with transformers
 # (the `gguf` wheel travels in the payload: the machine has no network), unpacks the committed
 # regenerated data (both committed sets), optionally regenerates more for REGEN_S seconds
-# (resumable, packed back to $OUT), then trains METHODS (default dspark,eagle) side by side,
+# (resumable, packed back to $OUT), then trains METHODS (default dspark,eagle,dflash) side by side,
 # warm-started from the checkpoints in the payload, for TRAIN_MIN minutes with the learning rate
 # annealed to that limit (the GPU's step rate is not known beforehand), and splits each checkpoint
 # into <16 MiB parts in $OUT. The payload also carries the transformers and gguf wheels this
@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEV=.device
 WORK=${SPECDECODE_DEVICE_WORK:-/root/specdecode-device}
-METHODS=${METHODS:-dspark,eagle}
+METHODS=${METHODS:-dspark,eagle,dflash}
 DEVICE=${DEVICE:-cuda}
 TRAIN_MIN=${TRAIN_MIN:-6}
 REGEN_S=${REGEN_S:-0}
@@ -51,15 +51,14 @@ a = get_model_asset('smollm2-135m'); print(locate(*a.parts[0]))")
   python -c "from specdecode.assets import get_model_asset; a = get_model_asset('smollm2-135m'); \
 print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
   pip download gguf==0.19.0 transformers==5.24.0 --no-deps -q -d "$DEV/payload-1/wheels"
-  # warm starts: the best runs here, else the shipped drafters (config + weights, no optimiser);
-  # payloads 2 and 3 (payload 1 holds the wheels)
-  i=2
+  # warm starts: the best runs here, else the shipped drafters (config + weights, no optimiser),
+  # each into the lightest payload (with the ~14 MB tree each call must stay under 64 MiB)
   for m in ${METHODS//,/ }; do
     src=runs/train/$m-best
     [ -f "$src/model.safetensors" ] || src=specdecode/data/drafters/smollm2-135m-$m
+    i=$(for j in 1 2 3; do echo "$(du -sb "$DEV/payload-$j" | cut -f1) $j"; done | sort -n | head -1 | cut -d' ' -f2)
     mkdir -p "$DEV/payload-$i/init/$m"
     cp "$src/config.json" "$src/model.safetensors" "$DEV/payload-$i/init/$m/"
-    i=$((5 - i))  # 2, 3, 2, ...
   done
   stash
   du -sh "$DEV"/payload-* ; echo "tree without the drafter weights: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1)"
@@ -104,12 +103,14 @@ convert_gguf(Path('$WORK/$name'), Path('$WORK/model'))"
     --warmup-steps "$WARMUP" --lr 5e-4 --checkpoint-every 500 --eval-prompts 0 --time-limit "$TRAIN_MIN" \
     --anneal-to-time-limit --init-from "$WORK/init" 2>&1 \
     | tr '\r' '\n' | grep -v '^$' | tail -40 | tee "$OUT/train.log"
+  # At most 8 files of 16 MiB (64 MiB in all) come back: the checkpoints travel as int8 (the
+  # shipped storage, half of bf16) in one tar split in parts; the logs' last records ride in train.log.
+  rm -rf "$WORK/back"
   for m in ${METHODS//,/ }; do
-    cp "$WORK/train/$m/config.json" "$OUT/$m-config.json"
-    # at most 8 files come back: the logs' last records ride in train.log
+    python3 -m specdecode.cli export "$WORK/train/$m" --format specdecode --storage int8 --out "$WORK/back/gpu-$m"
     [ ! -f "$WORK/train/$m/log.jsonl" ] || { echo "== $m log.jsonl"; tail -3 "$WORK/train/$m/log.jsonl"; } >> "$OUT/train.log"
-    split -b "${PART_MB}M" -d "$WORK/train/$m/model.safetensors" "$OUT/$m-model.part-"
   done
+  tar -C "$WORK/back" -cf - . | split -b "${PART_MB}M" -d - "$OUT/drafters.tar.part-"
   ls -la "$OUT"
 }
 
@@ -118,15 +119,13 @@ restore() {
   git status --short specdecode/data/drafters | head
   at=${1:-}
   [ -n "$at" ] || return 0
+  ls "$at"/drafters.tar.part-* > /dev/null 2>&1 || return 0
+  mkdir -p runs/train
+  cat "$at"/drafters.tar.part-* | tar -C runs/train -xf -
   for m in ${METHODS//,/ }; do
-    [ -f "$at/$m-config.json" ] || continue
-    dst=runs/train/gpu-$m
-    mkdir -p "$dst"
-    cat "$at/$m-model.part-"* > "$dst/model.safetensors"
-    cp "$at/$m-config.json" "$dst/config.json"
-    echo "$m: $dst (serve with --drafter $dst; warm-start CPU training from it)"
+    if [ -d "runs/train/gpu-$m" ]; then echo "$m: runs/train/gpu-$m (int8; serve with --drafter runs/train/gpu-$m; warm-start CPU training from it)"; fi
   done
-  [ -f "$at/regen.npz" ] && echo "more regenerated data: $at/regen.npz (specdecode data unpack it beside runs/data)"
+  if [ -f "$at/regen.npz" ]; then echo "more regenerated data: $at/regen.npz (specdecode data unpack it beside runs/data)"; fi
 }
 
 "${1:?usage: device_train.sh prepare|stash|receive|train|restore [FILES_AT]}" "${@:2}"
