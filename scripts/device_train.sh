@@ -22,8 +22,8 @@
 # regenerated data (both committed sets), optionally regenerates more for REGEN_S seconds
 # (resumable, packed back to $OUT), then trains METHODS (default dspark,eagle,dflash) side by side,
 # warm-started from the checkpoints in the payload, for TRAIN_MIN minutes with the learning rate
-# annealed to that limit (the GPU's step rate is not known beforehand), and splits each checkpoint
-# into <16 MiB parts in $OUT. The payload also carries the transformers and gguf wheels this
+# annealed to that limit (the GPU's step rate is not known beforehand), and sends the checkpoints
+# back as int8 exports in one tar split into <16 MiB parts in $OUT. The payload also carries the transformers and gguf wheels this
 # project pins (the machine's own transformers is another minor, and GGUF loading changes between
 # minors). Everything also runs on the CPU (DEVICE=cpu) for a dry run of the plumbing.
 set -euo pipefail

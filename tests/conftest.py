@@ -13,6 +13,8 @@
 * `hf_reference(dir)`: the same directory loaded by transformers in fp32 (cached).
 * `smollm2_dir`: the real SmolLM2-135M asset, skipped only if it cannot be installed.
 * `tiny_target`: `tiny_llama_dir` loaded in fp32 on the CPU (session-wide; tests only read it).
+* `make_regen(name, n, text, device="cpu")`: regenerated training data of the tiny llama (its
+  answers to n prompts), for the trainer tests and the CUDA test.
 * `quiet_measurements` (autouse, session): cached machine measurements (`specdecode.measured`)
   count as taken on a quiet machine, so no test depends on what else the machine runs; the
   tests of that rule fake the share themselves.
@@ -22,6 +24,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -182,6 +185,29 @@ def make_tiny_model(tmp_path_factory, tiny_tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(make_tiny_model) -> Path:
     return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def make_regen(tiny_llama_dir, tmp_path_factory):
+    """make_regen(name, n, text, device="cpu") -> (target, regen dir): the tiny target, loaded in
+    fp32 on `device`, and its answers (24 tokens) to n training prompts `text.format(i)`."""
+    from specdecode.models.loader import load_model
+    from specdecode.training.regen import regenerate
+
+    def make(name: str, n: int, text: str, device: str = "cpu"):
+        prompts = tmp_path_factory.mktemp(f"{name}_prompts")
+        with (prompts / "train.jsonl").open("w") as f:
+            for i in range(n):
+                msg = [{"role": "user", "content": text.format(i)}]
+                f.write(json.dumps({"id": f"t{i}", "messages": msg}) + "\n")
+        out = tmp_path_factory.mktemp(f"{name}_regen")
+        target = load_model(str(tiny_llama_dir), dtype="fp32", device=device)
+        regenerate(
+            target, prompts, out, splits=("train",), max_new_tokens=24, batch_size=n // 2, progress=False
+        )
+        return target, out
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ and the native runtime's logits on CUDA match the CPU's."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -17,7 +16,6 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
-from specdecode.training.regen import regenerate
 from specdecode.training.run import run_training
 from specdecode.training.trainer import TrainConfig
 
@@ -86,17 +84,10 @@ def test_native_logits_match_cpu(tiny_qwen3_dir):
     assert auto.info.dtype == torch.bfloat16  # auto on CUDA: bf16
 
 
-def regen_and_train(model_dir, tmp_path, device: str) -> list[dict]:
+def regen_and_train(make_regen, tmp_path, device: str) -> list[dict]:
     """Regenerate a few answers with the tiny target on `device`, then train DSpark and EAGLE-3
     side by side there for 3 steps (bf16 autocast, as scripts/device_train.sh does)."""
-    prompts, regen = tmp_path / "prompts", tmp_path / "regen"
-    prompts.mkdir()
-    with (prompts / "train.jsonl").open("w") as f:
-        for i in range(8):
-            f.write(json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": f"count to {i}"}]}))
-            f.write("\n")
-    target = load_model(str(model_dir), dtype="fp32", device=device)
-    regenerate(target, prompts, regen, splits=("train",), max_new_tokens=16, batch_size=4, progress=False)
+    target, regen = make_regen(f"regen_{device}", 8, "count to {}", device=device)
     cfg = TrainConfig(
         out_dir=str(tmp_path / "train"),
         steps=3,
@@ -109,8 +100,8 @@ def regen_and_train(model_dir, tmp_path, device: str) -> list[dict]:
     return run_training("dspark,eagle", target, regen, tmp_path / "train", cfg, kw, progress=False)
 
 
-def test_regeneration_and_training_run_on_cuda(tiny_llama_dir, tmp_path):
-    results = regen_and_train(tiny_llama_dir, tmp_path, "cuda")
+def test_regeneration_and_training_run_on_cuda(make_regen, tmp_path):
+    results = regen_and_train(make_regen, tmp_path, "cuda")
     for m, res in zip(("dspark", "eagle"), results, strict=True):
         losses = [v for k, v in res.items() if k.startswith("loss")]
         assert res["step"] == 3 and losses and all(map(math.isfinite, losses)), (m, res)
