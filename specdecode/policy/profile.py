@@ -1,7 +1,8 @@
 """Step-cost profiles: how long one forward of N new tokens takes on this machine.
 
 Contract: `step_costs(model, max_tokens)` returns `costs[n-1]` = median seconds of a forward of
-n new tokens (n = 1..max_tokens) over a 256-token context, batch 1. Profiles are cached as
+n new tokens (n = 1..max_tokens) over a 256-token context, batch 1 (the sizes timed in turn,
+then `monotone_envelope`: never more than a larger n costs). Profiles are cached as
 JSON under `<cache_dir>/profiles/`, keyed by the model's fingerprint, dtype, weight formats
 (`info.format`), device, torch version, CPU capability, thread count and the sources of our
 compiled kernels, so a machine measures once and later runs make the same draft-length
@@ -58,9 +59,21 @@ def _key(model, fingerprint: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
+def monotone_envelope(costs: Sequence[float]) -> list[float]:
+    """costs[n-1] lowered to min(costs[n-1:]): a forward of fewer tokens never costs more than
+    one of more (it could be padded to that size), so a bump is noise the policy must not read
+    (a slow moment at n = 6 once made 6 verified tokens dearer than 8)."""
+    out = [float(c) for c in costs]
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 @torch.inference_mode()
 def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
-    """Median wall seconds of a forward of n = 1..max_tokens new tokens (batch 1)."""
+    """Median wall seconds of a forward of n = 1..max_tokens new tokens (batch 1). The sizes are
+    timed in turn within each repeat (n = 1..N, then again), so a slow stretch of a shared host
+    lands on every n alike instead of on the few sizes timed during it."""
     ctx = min(CONTEXT, model.info.max_position - max_tokens - 1)
     cache = model.new_cache(1, ctx + max_tokens + 1)
     dev = model.info.device
@@ -68,37 +81,42 @@ def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
     ids = torch.randint(0, model.info.vocab_size, (1, ctx + max_tokens), device=dev)
     model.forward(ids[:, :ctx], torch.arange(ctx, device=dev)[None], cache, slots)
     cache.commit(0, ctx)
-    costs = []
-    for n in range(1, max_tokens + 1):
-        x, pos = ids[:, ctx : ctx + n], torch.arange(ctx, ctx + n, device=dev)[None]
-        times = []
-        for _ in range(repeats + 1):
+    times: list[list[float]] = [[] for _ in range(max_tokens)]
+    for rep in range(repeats + 1):  # the first round is a warm-up
+        for n in range(1, max_tokens + 1):
+            x, pos = ids[:, ctx : ctx + n], torch.arange(ctx, ctx + n, device=dev)[None]
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             model.forward(x, pos, cache, slots)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        costs.append(statistics.median(times[1:]))  # first run is a warm-up
-    return costs
+            if rep > 0:
+                times[n - 1].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
-    """Cached `measure_step_costs` (measured again when more tokens are asked for, or when the
-    cached one was taken on a busy machine: `specdecode.measured`)."""
+    """Cached `measure_step_costs`, read through `monotone_envelope` (measured again when more
+    tokens are asked for, when the cached one was timed size after size (`order` missing), or
+    when it was taken on a busy machine: `specdecode.measured`)."""
     path = cache_dir() / "profiles" / f"{_key(model, fingerprint)}.json"
     rec = cached_measurement(
         path,
         lambda: {
             "costs": measure_step_costs(model, max_tokens),
+            "order": "interleaved",
             "dtype": str(model.info.dtype),
             "device": str(model.info.device),
         },
-        valid=lambda old: isinstance(old.get("costs"), list) and len(old["costs"]) >= max_tokens,
+        valid=lambda old: (
+            isinstance(old.get("costs"), list)
+            and len(old["costs"]) >= max_tokens
+            and old.get("order") == "interleaved"
+        ),
         cpu=model.info.device.type == "cpu",
     )
-    return rec["costs"][:max_tokens]
+    return monotone_envelope(rec["costs"])[:max_tokens]
 
 
 class RoundCosts(NamedTuple):

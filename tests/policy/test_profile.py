@@ -4,7 +4,7 @@ import pytest
 
 from specdecode import measured
 from specdecode.models.loader import load_model
-from specdecode.policy.profile import draft_round_costs, measure_step_costs, step_costs
+from specdecode.policy.profile import draft_round_costs, measure_step_costs, monotone_envelope, step_costs
 
 
 def test_step_costs_are_measured_once_and_cached(tiny_llama_dir, tmp_path, monkeypatch):
@@ -15,8 +15,15 @@ def test_step_costs_are_measured_once_and_cached(tiny_llama_dir, tmp_path, monke
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1
     # A cached profile measured quietly is reused as is: plant known numbers and read them back.
-    files[0].write_text(json.dumps({"costs": [1.0, 2.0, 3.0, 4.0, 5.0], "cpu_share": 0.95}))
+    planted = {"costs": [1.0, 2.0, 3.0, 4.0, 5.0], "cpu_share": 0.95, "order": "interleaved"}
+    files[0].write_text(json.dumps(planted))
     assert step_costs(m.model, m.fingerprint, 3) == [1.0, 2.0, 3.0]
+    # A bump is read through the envelope: 3 tokens never cost more than 4 or 5.
+    files[0].write_text(json.dumps({**planted, "costs": [1.0, 2.0, 4.5, 3.0, 5.0]}))
+    assert step_costs(m.model, m.fingerprint, 4) == [1.0, 2.0, 3.0, 3.0]
+    # One timed size after size (written before the interleaved order) is measured again.
+    files[0].write_text(json.dumps({"costs": [1.0, 2.0, 3.0, 4.0, 5.0], "cpu_share": 0.95}))
+    assert step_costs(m.model, m.fingerprint, 3) != [1.0, 2.0, 3.0]
     # Asking for more tokens than cached measures again.
     assert len(step_costs(m.model, m.fingerprint, 6)) == 6
 
@@ -66,3 +73,9 @@ def test_drafting_round_curve_passes_through_every_timed_k(tmp_path, monkeypatch
     assert fixed + per_token == pytest.approx(0.001) and fixed + 16 * per_token == pytest.approx(0.005)
     _, _, again = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5,))
     assert again == curve and timed == [1, 5, 16]  # cached
+
+
+def test_monotone_envelope_lowers_bumps_and_keeps_a_rising_curve():
+    assert monotone_envelope([1.0, 1.2, 1.5, 2.0]) == [1.0, 1.2, 1.5, 2.0]
+    assert monotone_envelope([1.0, 1.37, 1.33, 1.25, 2.7]) == [1.0, 1.25, 1.25, 1.25, 2.7]
+    assert monotone_envelope([]) == []
