@@ -33,7 +33,14 @@ from specdecode.errors import SpecDecodeError
 from specdecode.interop import detect_layout, write_native
 from specdecode.models import kernels
 from specdecode.models.loader import load_model
-from specdecode.policy import FixedK, StepCostModel, draft_round_costs, make_policy, step_costs
+from specdecode.policy import (
+    FixedK,
+    StepCostModel,
+    draft_round_costs,
+    make_policy,
+    step_cost_curves,
+    step_costs,
+)
 
 DEFAULT_TARGET = "smollm2-135m"
 # The policies that time a target step (and a draft token) to choose K.
@@ -229,10 +236,11 @@ def build(options: LoadOptions) -> SpecDecode:
     drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k
     verify_cost, draft_cost, draft_fixed, step_cost = 0.03, drf.cost_per_token, 0.0, None
-    draft_curve = None
+    draft_curve = verify_curves = None
     if o.policy in _MEASURED_POLICIES and k > 0:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
-        costs = step_costs(tgt.model, tgt.fingerprint, k + 1)
+        verify_curves = step_cost_curves(tgt.model, tgt.fingerprint, k + 1)  # {context: seconds}
+        costs = verify_curves[min(verify_curves)]
         verify_cost = [c / costs[0] for c in costs]
         if drf.model is not None:  # a draft model: time its step too
             draft_cost = step_costs(drf.model, drf.fingerprint, 1)[0] / costs[0]
@@ -256,5 +264,6 @@ def build(options: LoadOptions) -> SpecDecode:
         online=True,
         draft_fixed=draft_fixed,
         draft_curve=draft_curve,
+        verify_curves=verify_curves,
     )
     return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

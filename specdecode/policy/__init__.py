@@ -14,7 +14,14 @@ from specdecode.policy.adaptive import AdaptiveK
 from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 from specdecode.policy.costs import StepCostModel
 from specdecode.policy.fixed import FixedK
-from specdecode.policy.profile import batch_step_costs, draft_round_costs, measure_step_costs, step_costs
+from specdecode.policy.profile import (
+    batch_step_costs,
+    draft_round_costs,
+    measure_step_cost_curves,
+    measure_step_costs,
+    step_cost_curves,
+    step_costs,
+)
 from specdecode.policy.scheduled import ScheduledK
 
 __all__ = [
@@ -29,7 +36,9 @@ __all__ = [
     "draft_round_costs",
     "expected_tau",
     "make_policy",
+    "measure_step_cost_curves",
     "measure_step_costs",
+    "step_cost_curves",
     "step_costs",
 ]
 POLICIES = ("fixed", "adaptive", "scheduled", "scheduled-production")
@@ -44,11 +53,14 @@ def make_policy(
     online: bool = False,
     draft_fixed: float = 0.0,
     draft_curve: Sequence[float] | None = None,
+    verify_curves: dict[int, Sequence[float]] | None = None,
 ) -> DraftPolicy:
     """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
     online: the scheduled policies correct that profile and the drafting cost from measured steps;
     draft_fixed: a drafting round's cost beyond its per-token cost; draft_curve: a round's
-    measured cost for K = 1..k, which the adaptive policy reads instead of the line where given."""
+    measured cost for K = 1..k, which the adaptive policy reads instead of the line where given;
+    verify_curves: {context: seconds of forwards of 1..k+1 tokens}, read by the adaptive policy at
+    each request's context."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
@@ -58,6 +70,7 @@ def make_policy(
             verify_cost=verify_cost,
             draft_fixed=draft_fixed,
             draft_curve=draft_curve,
+            verify_curves=verify_curves,
         )
     if name in ("scheduled", "scheduled-production"):
         if step_cost is None:

@@ -6,9 +6,12 @@ the K in [0, K_max] that maximises the expected speed-up
 (or verify_cost[K] + draft_curve[K] where a round's cost was measured as a curve over K),
 with E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) (docs/methods.md, "Speculative sampling"),
 verify_cost[K] the cost of a target forward of K+1 tokens relative to one token (measured:
-`profile.py`), draft_cost the cost of one draft token and draft_fixed what a drafting round
-costs beyond its tokens (a block drafter's one forward, catching up on committed context),
-both relative to a target step (measured once per machine for learned drafters: `build.py`). When
+`profile.py`; with `verify_curves`, the measured seconds at several context lengths, it is read at
+the request's own context: a verify block's attention grows with its rows times the context, so a
+long RAG prompt makes K extra tokens dearer than a short chat), draft_cost the cost of one draft
+token and draft_fixed what a drafting round costs beyond its tokens (a block drafter's one
+forward, catching up on committed context), both relative to a target step (measured once per
+machine for learned drafters: `build.py`). When
 acceptance is poor it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing
 off) so it can recover when the text becomes predictable again. Where the measured costs say that
 even perfect acceptance would not pay, it never drafts. Decisions depend only on the request's
@@ -22,6 +25,9 @@ from collections.abc import Sequence
 
 from specdecode.errors import SpecDecodeError
 from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
+from specdecode.policy.profile import interp
+
+CONTEXT_BUCKET = 64  # contexts are read in steps of this many tokens (a cache of verify curves)
 
 
 class AdaptiveK(DraftPolicy):
@@ -37,11 +43,17 @@ class AdaptiveK(DraftPolicy):
         probe_every: int = 8,
         draft_fixed: float = 0.0,
         draft_curve: Sequence[float] | None = None,
+        verify_curves: dict[int, Sequence[float]] | None = None,
     ):
         """verify_cost: relative cost per extra verified token, or the measured curve
         [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens; draft_curve:
         a round's measured cost for K = 1..k_max (in target steps), read instead of
-        draft_fixed + K * draft_cost (a tree's cost is not a line in K)."""
+        draft_fixed + K * draft_cost (a tree's cost is not a line in K); verify_curves:
+        {context: [t(1), ..., t(k_max + 1)] seconds} measured at several committed-context
+        lengths (`profile.step_cost_curves`): the verify cost of a request is then read at its
+        context, each t(n) piecewise linear in the context between the measured ones, held at the
+        shortest below it and extended linearly past the longest (attention is linear in it).
+        The drafting costs stay relative to a one-token step."""
         if k_max < 0:
             raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
         if isinstance(verify_cost, (int, float)):
@@ -57,21 +69,41 @@ class AdaptiveK(DraftPolicy):
         if self.draft_curve is not None and len(self.draft_curve) < k_max:
             raise ValueError(f"draft_curve needs {k_max} entries (K = 1..K_max), got {len(self.draft_curve)}")
         self.decay, self.probe_every = decay, probe_every
+        self.verify_curves = None
+        if verify_curves:
+            self.verify_curves = {int(c): [float(t) for t in v] for c, v in sorted(verify_curves.items())}
+            if any(len(v) < k_max + 1 for v in self.verify_curves.values()):
+                raise ValueError(f"verify_curves need {k_max + 1} entries (n = 1..K+1) at every context")
+        self._at_context: dict[int, list[float]] = {}
         # If even perfect acceptance cannot pay for drafting on this machine, never draft (and
         # never probe): speculation is then exactly plain decoding plus nothing.
         best_case = max((k + 1) / self.round_cost(k) for k in range(k_max + 1))
         self.enabled = best_case > 1.0 + self.MIN_GAIN
 
-    def round_cost(self, k: int) -> float:
-        """A step that drafts k tokens, in target one-token steps."""
-        if k == 0:
-            return self.verify_cost[0]
-        if self.draft_curve is not None:
-            return self.verify_cost[k] + self.draft_curve[k - 1]
-        return self.verify_cost[k] + self.draft_fixed + k * self.draft_cost
+    def verify_at(self, context: int | None) -> list[float]:
+        """[t(1), ..., t(k_max + 1)] / t(1) at a request's context (`verify_cost` without curves)."""
+        if self.verify_curves is None or context is None:
+            return self.verify_cost
+        ctx = max(context, 0) // CONTEXT_BUCKET * CONTEXT_BUCKET
+        got = self._at_context.get(ctx)
+        if got is None:
+            xs = list(self.verify_curves)
+            at = max(ctx, xs[0])  # never cheaper than the shortest context measured
+            t = [interp(xs, [self.verify_curves[x][n] for x in xs], at) for n in range(self.k_max + 1)]
+            got = self._at_context[ctx] = [max(tn, t[0]) / t[0] for tn in t]
+        return got
 
-    def best_k(self, alpha: float) -> int:
-        speedups = [expected_tau(alpha, k) / self.round_cost(k) for k in range(self.k_max + 1)]
+    def round_cost(self, k: int, context: int | None = None) -> float:
+        """A step that drafts k tokens, in target one-token steps (at that committed context)."""
+        verify = self.verify_at(context)
+        if k == 0:
+            return verify[0]
+        if self.draft_curve is not None:
+            return verify[k] + self.draft_curve[k - 1]
+        return verify[k] + self.draft_fixed + k * self.draft_cost
+
+    def best_k(self, alpha: float, context: int | None = None) -> int:
+        speedups = [expected_tau(alpha, k) / self.round_cost(k, context) for k in range(self.k_max + 1)]
         k = max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
         return k if speedups[k] >= 1.0 + self.MARGIN else 0
 
@@ -80,7 +112,7 @@ class AdaptiveK(DraftPolicy):
             return [0] * len(states)
         ks = []
         for st in states:
-            k = self.best_k(st.accepted / max(st.tried, 1e-6))
+            k = self.best_k(st.accepted / max(st.tried, 1e-6), st.context_len or None)
             if k == 0 and self.k_max > 0:
                 # Probe with one draft now and then; each probe that does not lift the estimate
                 # doubles the interval (up to 64 steps), so a hopeless request costs ~nothing.

@@ -1,8 +1,11 @@
 """Step-cost profiles: how long one forward of N new tokens takes on this machine.
 
-Contract: `step_costs(model, max_tokens)` returns `costs[n-1]` = median seconds of a forward of
-n new tokens (n = 1..max_tokens) over a 256-token context, batch 1 (the sizes timed in turn,
-then `monotone_envelope`: never more than a larger n costs). Profiles are cached as
+Contract: `step_cost_curves(model, fingerprint, max_tokens)` returns {context: costs} with
+`costs[n-1]` = median seconds of a forward of n new tokens (n = 1..max_tokens) over `context`
+committed tokens, batch 1, at `CONTEXTS` (256, 1024, 2048; those the model's window holds): every
+size timed in turn, then `monotone_envelope` (never more than a larger n costs). The attention of
+a verify block grows with its rows times the context, so on the AMX kind 8 tokens cost 1.3 one-token
+steps over 256 tokens and 1.6 over 1,024. `step_costs(...)` is the 256-token curve. Profiles are cached as
 JSON under `<cache_dir>/profiles/`, keyed by the model's fingerprint, dtype, weight formats
 (`info.format`), device, torch version, CPU capability, thread count and the sources of our
 compiled kernels, so a machine measures once and later runs make the same draft-length
@@ -42,6 +45,7 @@ from specdecode.measured import cached_measurement
 from specdecode.models import kernels
 
 CONTEXT = 256
+CONTEXTS = (CONTEXT, 1024, 2048)  # a verify block over a long context costs more than over a short one
 
 
 def _key(model, fingerprint: str) -> str:
@@ -69,54 +73,90 @@ def monotone_envelope(costs: Sequence[float]) -> list[float]:
     return out
 
 
+def contexts_for(model, max_tokens: int) -> list[int]:
+    """The committed-context lengths a step-cost profile is timed at: `CONTEXTS` that fit the
+    model's positions (at least one, the largest that fits, for a model with a short window)."""
+    room = model.info.max_position - max_tokens - 1
+    fit = [c for c in CONTEXTS if c <= room]
+    return fit or [max(min(CONTEXT, room), 1)]
+
+
 @torch.inference_mode()
-def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
-    """Median wall seconds of a forward of n = 1..max_tokens new tokens (batch 1). The sizes are
-    timed in turn within each repeat (n = 1..N, then again), so a slow stretch of a shared host
-    lands on every n alike instead of on the few sizes timed during it."""
-    ctx = min(CONTEXT, model.info.max_position - max_tokens - 1)
-    cache = model.new_cache(1, ctx + max_tokens + 1)
+def measure_step_cost_curves(
+    model, max_tokens: int, repeats: int = 5, contexts: Sequence[int] = (CONTEXT,)
+) -> dict[int, list[float]]:
+    """{context: median wall seconds of a forward of n = 1..max_tokens new tokens (batch 1) over
+    that many committed tokens}. Every (context, n) is timed in turn within each repeat, so a slow
+    stretch of a shared host lands on every size alike instead of on the few timed during it."""
     dev = model.info.device
-    slots = torch.tensor([0], device=dev)
-    ids = torch.randint(0, model.info.vocab_size, (1, ctx + max_tokens), device=dev)
-    model.forward(ids[:, :ctx], torch.arange(ctx, device=dev)[None], cache, slots)
-    cache.commit(0, ctx)
-    times: list[list[float]] = [[] for _ in range(max_tokens)]
+    ctxs = list(contexts)
+    cache = model.new_cache(len(ctxs), max(ctxs) + max_tokens + 1)
+    ids = torch.randint(0, model.info.vocab_size, (1, max(ctxs) + max_tokens), device=dev)
+    for i, ctx in enumerate(ctxs):  # slot i holds a committed context of ctxs[i] tokens
+        slot = torch.tensor([i], device=dev)
+        model.forward(ids[:, :ctx], torch.arange(ctx, device=dev)[None], cache, slot)
+        cache.commit(i, ctx)
+    times = {ctx: [[] for _ in range(max_tokens)] for ctx in ctxs}
     for rep in range(repeats + 1):  # the first round is a warm-up
-        for n in range(1, max_tokens + 1):
-            x, pos = ids[:, ctx : ctx + n], torch.arange(ctx, ctx + n, device=dev)[None]
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            model.forward(x, pos, cache, slots)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if rep > 0:
-                times[n - 1].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+        for i, ctx in enumerate(ctxs):
+            slot = torch.tensor([i], device=dev)
+            for n in range(1, max_tokens + 1):
+                x, pos = ids[:, ctx : ctx + n], torch.arange(ctx, ctx + n, device=dev)[None]
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                model.forward(x, pos, cache, slot)  # not committed: the next forward overwrites it
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if rep > 0:
+                    times[ctx][n - 1].append(time.perf_counter() - t0)
+    return {ctx: [statistics.median(t) for t in times[ctx]] for ctx in ctxs}
 
 
-def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
-    """Cached `measure_step_costs`, read through `monotone_envelope` (measured again when more
-    tokens are asked for, when the cached one was timed size after size (`order` missing), or
-    when it was taken on a busy machine: `specdecode.measured`)."""
+def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
+    """Median wall seconds of a forward of n = 1..max_tokens new tokens over a `CONTEXT`-token
+    cache (batch 1; the model's window permitting)."""
+    ctx = min(CONTEXT, model.info.max_position - max_tokens - 1)
+    return measure_step_cost_curves(model, max_tokens, repeats, (ctx,))[ctx]
+
+
+def step_cost_curves(model, fingerprint: str, max_tokens: int) -> dict[int, list[float]]:
+    """Cached `measure_step_cost_curves` at `contexts_for(model, max_tokens)`, each curve read
+    through `monotone_envelope` (measured again when more tokens or other contexts are asked
+    for, when the cached one was timed size after size (`order` missing), or when it was taken
+    on a busy machine: `specdecode.measured`)."""
+    ctxs = contexts_for(model, max_tokens)
     path = cache_dir() / "profiles" / f"{_key(model, fingerprint)}.json"
+
+    def valid(old: dict) -> bool:
+        curves = old.get("contexts")
+        return (
+            old.get("order") == "interleaved"
+            and isinstance(curves, dict)
+            and all(isinstance(curves.get(str(c)), list) and len(curves[str(c)]) >= max_tokens for c in ctxs)
+        )
+
     rec = cached_measurement(
         path,
         lambda: {
-            "costs": measure_step_costs(model, max_tokens),
+            "contexts": {
+                str(c): v for c, v in measure_step_cost_curves(model, max_tokens, contexts=ctxs).items()
+            },
             "order": "interleaved",
             "dtype": str(model.info.dtype),
             "device": str(model.info.device),
         },
-        valid=lambda old: (
-            isinstance(old.get("costs"), list)
-            and len(old["costs"]) >= max_tokens
-            and old.get("order") == "interleaved"
-        ),
+        valid=valid,
         cpu=model.info.device.type == "cpu",
     )
-    return monotone_envelope(rec["costs"])[:max_tokens]
+    return {c: monotone_envelope(rec["contexts"][str(c)])[:max_tokens] for c in ctxs}
+
+
+def step_costs(model, fingerprint: str, max_tokens: int) -> list[float]:
+    """The shortest measured context's curve of `step_cost_curves` (`CONTEXT` tokens where the
+    model's window allows): `costs[n-1]` = seconds of a forward of n new tokens."""
+    curves = step_cost_curves(model, fingerprint, max_tokens)
+    return curves[min(curves)]
 
 
 class RoundCosts(NamedTuple):

@@ -83,3 +83,31 @@ def test_a_round_must_promise_the_margin_over_plain_decoding():
     drafts."""
     pol = AdaptiveK(k_max=1, draft_cost=0.0, verify_cost=[1.0, 1.0])
     assert pol.best_k(AdaptiveK.MARGIN * 0.6) == 0 and pol.best_k(AdaptiveK.MARGIN * 1.5) == 1
+
+
+def test_verify_cost_is_read_at_the_requests_context():
+    """Curves measured at 256 / 1,024 / 2,048 committed tokens (seconds; AMX-like: 8 tokens cost
+    1.3 steps over 256 tokens, 1.65 over 1,024): a long-context request prices K at its own
+    context, so at the same acceptance it drafts less or not at all, and a short one as before."""
+    short = [10.0, 10.7, 11.2, 11.5, 11.8, 12.4, 12.7, 13.0]  # t(1..8), ms
+    mid = [14.0, 16.4, 17.1, 18.0, 19.2, 21.8, 22.1, 23.1]
+    longer = [18.0, 22.1, 23.0, 24.5, 26.6, 31.2, 31.5, 33.2]
+    curves = {256: short, 1024: mid, 2048: longer}
+    base = [t / short[0] for t in short]
+    pol = AdaptiveK(k_max=7, draft_cost=0.01, draft_fixed=0.1, verify_cost=base, verify_curves=curves)
+    plain = AdaptiveK(k_max=7, draft_cost=0.01, draft_fixed=0.1, verify_cost=base)
+    assert pol.verify_at(300) == pytest.approx(base)  # within the first bucket: the 256 curve
+    assert pol.verify_at(0) == pytest.approx(base)  # never cheaper than the shortest measured
+    assert pol.verify_at(1024)[7] == pytest.approx(23.1 / 14.0)
+    mid_ratio = pol.verify_at(640)[7]  # halfway between 256 and 1,024: each t(n) interpolated
+    assert mid_ratio == pytest.approx((13.0 + 23.1) / 2 / ((10.0 + 14.0) / 2))
+    assert pol.verify_at(4096)[7] == pytest.approx((33.2 + 2 * (33.2 - 23.1)) / (18.0 + 2 * 4.0))
+    assert pol.best_k(0.4, 256) == plain.best_k(0.4) > pol.best_k(0.4, 2048)
+    assert pol.best_k(0.3, 2048) == 0 < pol.best_k(0.3, 256)
+    st = PolicyState(context_len=2048)
+    for i in range(12):  # one draft in three rounds accepted: alpha ~0.27
+        pol.observe(st, num_draft=3, num_accepted=int(i % 3 == 2))
+    near = PolicyState(**{**st.__dict__, "context_len": 256})
+    assert pol.choose([st]) == [0] and pol.choose([near]) != [0]
+    with pytest.raises(ValueError, match="verify_curves need 8"):
+        AdaptiveK(k_max=7, verify_cost=base, verify_curves={256: short[:4]})

@@ -4,28 +4,60 @@ import pytest
 
 from specdecode import measured
 from specdecode.models.loader import load_model
-from specdecode.policy.profile import draft_round_costs, measure_step_costs, monotone_envelope, step_costs
+from specdecode.policy.profile import (
+    contexts_for,
+    draft_round_costs,
+    measure_step_cost_curves,
+    measure_step_costs,
+    monotone_envelope,
+    step_cost_curves,
+    step_costs,
+)
 
 
 def test_step_costs_are_measured_once_and_cached(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     m = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    costs = step_costs(m.model, m.fingerprint, 4)
-    assert len(costs) == 4 and all(c > 0 for c in costs)
+    ctxs = contexts_for(m.model, 4)
+    curves = step_cost_curves(m.model, m.fingerprint, 4)
+    assert list(curves) == ctxs and all(len(c) == 4 and min(c) > 0 for c in curves.values())
+    assert step_costs(m.model, m.fingerprint, 4) == curves[ctxs[0]]
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1
     # A cached profile measured quietly is reused as is: plant known numbers and read them back.
-    planted = {"costs": [1.0, 2.0, 3.0, 4.0, 5.0], "cpu_share": 0.95, "order": "interleaved"}
+    five = [1.0, 2.0, 3.0, 4.0, 5.0]
+    planted = {"contexts": {str(c): five for c in ctxs}, "cpu_share": 0.95, "order": "interleaved"}
     files[0].write_text(json.dumps(planted))
     assert step_costs(m.model, m.fingerprint, 3) == [1.0, 2.0, 3.0]
     # A bump is read through the envelope: 3 tokens never cost more than 4 or 5.
-    files[0].write_text(json.dumps({**planted, "costs": [1.0, 2.0, 4.5, 3.0, 5.0]}))
+    bumped = {str(c): [1.0, 2.0, 4.5, 3.0, 5.0] for c in ctxs}
+    files[0].write_text(json.dumps({**planted, "contexts": bumped}))
     assert step_costs(m.model, m.fingerprint, 4) == [1.0, 2.0, 3.0, 3.0]
     # One timed size after size (written before the interleaved order) is measured again.
-    files[0].write_text(json.dumps({"costs": [1.0, 2.0, 3.0, 4.0, 5.0], "cpu_share": 0.95}))
+    files[0].write_text(json.dumps({"costs": five, "cpu_share": 0.95}))
     assert step_costs(m.model, m.fingerprint, 3) != [1.0, 2.0, 3.0]
     # Asking for more tokens than cached measures again.
     assert len(step_costs(m.model, m.fingerprint, 6)) == 6
+
+
+def test_profiles_are_timed_at_the_contexts_the_window_holds(tiny_llama_dir):
+    """256, 1,024 and 2,048 committed tokens where the model's positions reach; the largest that
+    fits for a model with a short window."""
+
+    class Info:
+        max_position = 4096
+
+    class Model:
+        info = Info()
+
+    assert contexts_for(Model(), 9) == [256, 1024, 2048]
+    Info.max_position = 1100
+    assert contexts_for(Model(), 9) == [256, 1024]
+    Info.max_position = 100
+    assert contexts_for(Model(), 9) == [90]
+    m = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    curves = measure_step_cost_curves(m.model, 3, repeats=1, contexts=(8, 32))
+    assert list(curves) == [8, 32] and all(len(v) == 3 and min(v) > 0 for v in curves.values())
 
 
 def test_measure_leaves_no_state(tiny_llama_dir):
