@@ -312,8 +312,10 @@ class SpeculativeDecoder:
         """r's prompt is in the cache: the drafter starts on it, and so does r's decode clock."""
         hidden = {i: torch.cat(p) if p else None for i, p in r.hidden_parts.items()}  # layer -> [P-1, d]
         r.hidden_parts = {}
-        self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)
+        t0 = time.perf_counter()
+        self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)  # the drafter reads the prompt
         r.t_start = time.perf_counter()
+        r.prefill_time += r.t_start - t0
 
     def _step(self, running: list[RunningRequest], riders: list[Segment]) -> tuple[list[Verdict], list]:
         return speculate(

@@ -5,6 +5,10 @@ Contract:
 - `start(slot, prompt_ids, hidden)` is called when a request enters a slot, `stop(slot)` when it
   leaves. `hidden` maps each `needs_hidden` layer to the target's states for every prompt token
   but the last (`[P-1, d]`; that last token opens the first verify block), else it is empty.
+  A drafter with a cache of its own runs the prompt through it here (prefill, as the target
+  reads its prompt), not in the first `propose`: that work belongs to the request's prefill
+  time, and a round's cost stays what a round costs. `prompt_row(slot, prompt_ids)` is the
+  `DraftRow` such work reads (slot and token ids).
 - `propose(batch, num_draft)` returns a `Proposal` for the requests in `batch` (one row each, in
   order). `num_draft[b]` is an upper bound: a drafter may propose fewer (n-gram with no match).
   `draft_probs` is the *processed* distribution each draft token was sampled from (same
@@ -43,6 +47,11 @@ class DraftRow:
     token_ids: list[int]  # prompt + committed output; the last one is not yet in the target cache
     params: SamplingParams
     generator: torch.Generator
+
+
+def prompt_row(slot: int, prompt_ids: list[int]) -> DraftRow:
+    """The request at `start`: its prompt as the committed tokens (for the prompt's catch-up)."""
+    return DraftRow(slot, list(prompt_ids), SamplingParams(), torch.Generator())
 
 
 @dataclass

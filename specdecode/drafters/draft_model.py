@@ -56,6 +56,9 @@ class DraftModelDrafter(Drafter):
 
     def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
         self.cache.reset(slot)
+        if len(prompt_ids) > 1:  # the prompt but its last token (as the target holds it), at prefill
+            self._forward([list(prompt_ids[:-1])], [slot])
+            self.cache.commit(slot, len(prompt_ids) - 1)
 
     def _forward(self, tokens: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Feed each row's tokens after its committed rows; return logits at each row's last token."""
