@@ -3,8 +3,9 @@
 
 One process: the target with `ar` and every method at fixed K (greedy, chat template) decode the
 same prompts, interleaved per prompt (ar, then each method), for `--repeats` passes. A round's
-cost is the decoder's drafting time (`draft_time`: catch-up on committed context included) per
-step, as `build` times rounds for the adaptive policy;
+cost is the decoder's drafting time (`draft_time`: catch-up on the tokens committed since the
+last round included; the prompt itself is read at prefill, `Drafter.prefill`) per step, as
+`build` times rounds for the adaptive policy;
 the step is `ar`'s decode time per token (prefill excluded) on the same prompt, just before;
 per draft token divides a round by the drafts it made (fewer than K where a drafter stops
 early: MTP drafts at most one token per module, and here from its full depth on, not by its

@@ -86,6 +86,8 @@ class SpeculativeDecoder:
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
         self.drafter = drafter
         self.policy = policy if policy is not None else FixedK(0)
+        # Whether any request may draft: if not, drafters need not read prompts (`Drafter.prefill`).
+        self._may_draft = self.policy.k_max > 0 and getattr(self.policy, "enabled", True)
         self.max_batch, self.verify_mode = max_batch, verify_mode
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.vocab_size = target.vocab_size
@@ -313,7 +315,9 @@ class SpeculativeDecoder:
         hidden = {i: torch.cat(p) if p else None for i, p in r.hidden_parts.items()}  # layer -> [P-1, d]
         r.hidden_parts = {}
         t0 = time.perf_counter()
-        self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)  # the drafter reads the prompt
+        self.drafter.start(r.slot, list(r.req.prompt_ids), hidden)
+        if self._may_draft and r.req.max_new_tokens > 1:  # the drafter reads the prompt now
+            self.drafter.prefill(r.slot, list(r.req.prompt_ids))
         r.t_start = time.perf_counter()
         r.prefill_time += r.t_start - t0
 

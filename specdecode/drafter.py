@@ -5,10 +5,12 @@ Contract:
 - `start(slot, prompt_ids, hidden)` is called when a request enters a slot, `stop(slot)` when it
   leaves. `hidden` maps each `needs_hidden` layer to the target's states for every prompt token
   but the last (`[P-1, d]`; that last token opens the first verify block), else it is empty.
-  A drafter with a cache of its own runs the prompt through it here (prefill, as the target
-  reads its prompt), not in the first `propose`: that work belongs to the request's prefill
-  time, and a round's cost stays what a round costs. `prompt_row(slot, prompt_ids)` is the
-  `DraftRow` such work reads (slot and token ids).
+- `prefill(slot, prompt_ids)`, called right after `start` when the request may draft at all:
+  a drafter with a cache of its own runs the prompt through it here (prefill, as the target
+  reads its prompt) instead of in its first `propose`, so that work is the request's prefill
+  time and a round costs what a round costs; a request that never drafts (K 0, or a policy that
+  never drafts on this machine) skips it, and `propose` still catches up whatever is left.
+  `prompt_row(slot, prompt_ids)` is the `DraftRow` such work reads (slot and token ids).
 - `propose(batch, num_draft)` returns a `Proposal` for the requests in `batch` (one row each, in
   order). `num_draft[b]` is an upper bound: a drafter may propose fewer (n-gram with no match).
   `draft_probs` is the *processed* distribution each draft token was sampled from (same
@@ -97,6 +99,9 @@ class Drafter:
 
     def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
         pass
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
+        """Read the prompt into the drafter's own state now (default: nothing to read)."""
 
     def stop(self, slot: int) -> None:
         pass

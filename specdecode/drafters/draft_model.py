@@ -56,7 +56,9 @@ class DraftModelDrafter(Drafter):
 
     def start(self, slot: int, prompt_ids: list[int], hidden: dict | None = None) -> None:
         self.cache.reset(slot)
-        if len(prompt_ids) > 1:  # the prompt but its last token (as the target holds it), at prefill
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) > 1 and self.cache.lengths[slot] == 0:  # the prompt but its last token
             self._forward([list(prompt_ids[:-1])], [slot])
             self.cache.commit(slot, len(prompt_ids) - 1)
 

@@ -53,7 +53,8 @@ class AdaptiveK(DraftPolicy):
         lengths (`profile.step_cost_curves`): the verify cost of a request is then read at its
         context, each t(n) piecewise linear in the context between the measured ones, held at the
         shortest below it and extended linearly past the longest (attention is linear in it).
-        The drafting costs stay relative to a one-token step."""
+        The drafting costs stay relative to a one-token step at the shortest context (a drafter's
+        own attention grows with the context too)."""
         if k_max < 0:
             raise SpecDecodeError(f"--num-draft-tokens must be >= 0, got {k_max}")
         if isinstance(verify_cost, (int, float)):
@@ -71,9 +72,17 @@ class AdaptiveK(DraftPolicy):
         self.decay, self.probe_every = decay, probe_every
         self.verify_curves = None
         if verify_curves:
-            self.verify_curves = {int(c): [float(t) for t in v] for c, v in sorted(verify_curves.items())}
-            if any(len(v) < k_max + 1 for v in self.verify_curves.values()):
+            curves = {int(c): [float(t) for t in v] for c, v in sorted(verify_curves.items())}
+            if any(len(v) < k_max + 1 for v in curves.values()):
                 raise ValueError(f"verify_curves need {k_max + 1} entries (n = 1..K+1) at every context")
+            # A longer context never makes a forward cheaper: each t(n) non-decreasing over the
+            # contexts (noise in a measurement must not extrapolate to a falling t(1)).
+            prev = None
+            for c in curves:
+                if prev is not None:
+                    curves[c] = [max(t, p) for t, p in zip(curves[c], prev, strict=False)]
+                prev = curves[c]
+            self.verify_curves = curves
         self._at_context: dict[int, list[float]] = {}
         # If even perfect acceptance cannot pay for drafting on this machine, never draft (and
         # never probe): speculation is then exactly plain decoding plus nothing.

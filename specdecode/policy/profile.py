@@ -87,9 +87,15 @@ def measure_step_cost_curves(
 ) -> dict[int, list[float]]:
     """{context: median wall seconds of a forward of n = 1..max_tokens new tokens (batch 1) over
     that many committed tokens}. Every (context, n) is timed in turn within each repeat, so a slow
-    stretch of a shared host lands on every size alike instead of on the few timed during it."""
-    dev = model.info.device
+    stretch of a shared host lands on every size alike instead of on the few timed during it; a
+    model that holds one slot (the transformers adapter) is timed one context after another."""
     ctxs = list(contexts)
+    if model.info.max_slots is not None and model.info.max_slots < len(ctxs):
+        out: dict[int, list[float]] = {}
+        for ctx in ctxs:
+            out |= measure_step_cost_curves(model, max_tokens, repeats, (ctx,))
+        return out
+    dev = model.info.device
     cache = model.new_cache(len(ctxs), max(ctxs) + max_tokens + 1)
     ids = torch.randint(0, model.info.vocab_size, (1, max(ctxs) + max_tokens), device=dev)
     for i, ctx in enumerate(ctxs):  # slot i holds a committed context of ctxs[i] tokens

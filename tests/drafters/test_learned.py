@@ -53,27 +53,30 @@ def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
 
 
 @pytest.mark.parametrize("method", ["eagle", "mtp", "draft", "dflash", "dspark"])
-def test_the_drafter_reads_the_prompt_at_start_in_prefill_time(tiny, trained, method):
+def test_the_drafter_reads_the_prompt_at_prefill_only_where_it_may_draft(tiny, trained, method):
     """A drafter with a cache of its own runs the prompt through it when the request starts
-    (prefill), not in the first drafting round: on a 1,754-token prompt that catch-up took EAGLE-3
-    ~90 ms, four or five target steps charged to decoding. When start() returns, the drafter's
-    cache holds the prompt's rows (all but the last token, as the target's does), the time counts
-    as the request's prefill, and greedy output is still ar's."""
+    (`prefill`, the request's prefill time), not in its first drafting round: on a 1,754-token
+    prompt that pass took EAGLE-3 ~90 ms, four or five target steps charged to decoding. After
+    it the drafter's cache holds the prompt's rows (all but the last token, as the target's
+    does) and greedy output is still ar's. A decoder that never drafts (K 0) skips it."""
     drafter = _drafter(method, trained, tiny)
     prompts = short_prompts(tiny.tokenizer)
-    seen, real_start = [], drafter.start
+    seen, real_prefill = [], drafter.prefill
 
-    def start(slot, prompt_ids, hidden=None):
-        real_start(slot, prompt_ids, hidden)
+    def prefill(slot, prompt_ids):
+        real_prefill(slot, prompt_ids)
         cache = drafter.caches[0] if method == "mtp" else drafter.cache  # MTP: module 1
         seen.append((cache.lengths[slot], len(prompt_ids)))
 
-    drafter.start = start
+    drafter.prefill = prefill
     sd = decode_fixed_k(tiny, drafter, 3, prompts)
     assert len(seen) == len(prompts) and all(rows == p - 1 > 0 for rows, p in seen)
     assert all(r.prefill_time_s > 0 for r in sd)
     ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+    seen.clear()
+    plain = decode_fixed_k(tiny, drafter, 0, prompts)
+    assert seen == [] and [r.token_ids for r in plain] == [r.token_ids for r in ar]
 
 
 @pytest.mark.parametrize(("method", "tree"), CASES)

@@ -111,3 +111,14 @@ def test_verify_cost_is_read_at_the_requests_context():
     assert pol.choose([st]) == [0] and pol.choose([near]) != [0]
     with pytest.raises(ValueError, match="verify_curves need 8"):
         AdaptiveK(k_max=7, verify_cost=base, verify_curves={256: short[:4]})
+
+
+def test_a_noisy_longer_context_never_extrapolates_to_a_cheaper_step():
+    """t(1) measured a little lower at 2,048 than at 1,024 (noise) must not extrapolate to a
+    falling one-token step (ratios blowing up far past the longest context): each t(n) is held
+    non-decreasing over the contexts."""
+    curves = {256: [10.0, 11.0, 12.0], 1024: [14.0, 16.0, 17.0], 2048: [13.5, 17.0, 18.0]}
+    pol = AdaptiveK(k_max=2, verify_cost=[1.0, 1.1, 1.2], verify_curves=curves)
+    assert pol.verify_curves[2048] == [14.0, 17.0, 18.0]
+    far = pol.verify_at(8192)  # t(1) held at 14 ms, t(3) growing 1 ms per 1,024 tokens
+    assert far[2] == pytest.approx((18.0 + 6) / 14.0) and 1.0 <= far[1] <= far[2]

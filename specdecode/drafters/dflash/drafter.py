@@ -80,7 +80,9 @@ class DFlashDrafter(Drafter):
         self.cache.reset(slot)
         feats = self._features(hidden, None) if hidden else None
         self._pending[slot] = [feats] if feats is not None and feats.shape[0] else []
-        self._catch_up([slot])  # the prompt's context keys and values, at prefill
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
+        self._catch_up([slot])  # the prompt's context keys and values
 
     def stop(self, slot: int) -> None:
         self._pending.pop(slot, None)

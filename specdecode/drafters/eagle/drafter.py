@@ -5,7 +5,7 @@ Contract:
   `feature_layers` during prefill and verification (`needs_hidden`) and keeps a one-layer KV
   cache per slot whose committed rows are built from real target features: row r holds
   (feature of position r, token r + 1) at RoPE position r + 1 (see model.py).
-- `start` runs the prompt's features through the layer (prefill time); `advance` only queues
+- `prefill` runs the prompt's features through the layer (prefill time); `advance` only queues
   the verified block's features of the kept rows (the accepted path);
   the next `propose` first runs them through the layer with the now-known next tokens
   (catch-up, one batched forward), which also yields the state the first draft comes from.
@@ -96,7 +96,9 @@ class EagleDrafter(Drafter):
         self._last.pop(slot, None)
         feats = self._features(hidden, None) if hidden else None
         self._pending[slot] = [feats] if feats is not None and feats.shape[0] else []
-        self._catch_up([prompt_row(slot, prompt_ids)], [0])  # the prompt's rows, at prefill
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
+        self._catch_up([prompt_row(slot, prompt_ids)], [0])  # the prompt's rows through the layer
 
     def stop(self, slot: int) -> None:
         self._pending.pop(slot, None)

@@ -19,7 +19,7 @@ Contract:
   prompt (on a 1,754-token prompt module 2's catch-up takes ~100 ms, ~4 target steps). A
   round that drafts K catches up modules 1..K only (in blocks of `CATCH_UP_ROWS` rows, one
   fused-layer call each under the plans measured so far), so a weak drafter never runs its deep
-  modules over a long prompt (module 1 reads the prompt at `start`, prefill time). Module
+  modules over a long prompt (module 1 reads the prompt in `prefill`). Module
   k >= 2's catch-up and its k - 1 draft-time rows are one
   call (the committed rows first, causal), so a K-draft round runs each module once.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
@@ -98,7 +98,9 @@ class MTPDrafter(Drafter):
         self.reach[slot], self.evidence[slot] = self.start_depth, [0, 0]
         for c in self.caches:
             c.reset(slot)
-        self._catch_up(prompt_row(slot, prompt_ids), 1)  # module 1 over the prompt, at prefill
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
+        self._catch_up(prompt_row(slot, prompt_ids), 1)  # module 1 over the prompt
 
     def stop(self, slot: int) -> None:
         self.hist.pop(slot, None)
