@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -111,3 +112,20 @@ def test_monotone_envelope_lowers_bumps_and_keeps_a_rising_curve():
     assert monotone_envelope([1.0, 1.2, 1.5, 2.0]) == [1.0, 1.2, 1.5, 2.0]
     assert monotone_envelope([1.0, 1.37, 1.33, 1.25, 2.7]) == [1.0, 1.25, 1.25, 1.25, 2.7]
     assert monotone_envelope([]) == []
+
+
+def test_a_one_slot_model_is_timed_one_context_after_another(tiny_llama_dir, monkeypatch):
+    """The transformers adapter holds one request (`max_slots` 1): the contexts are then timed
+    in turn, each in a one-slot cache, instead of one cache holding them all (which it refuses)."""
+    m = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    m.model.info = dataclasses.replace(m.model.info, max_slots=1)
+    sizes, real = [], m.model.new_cache
+
+    def new_cache(num_slots, max_len):
+        sizes.append(num_slots)
+        return real(num_slots, max_len)
+
+    monkeypatch.setattr(m.model, "new_cache", new_cache)
+    curves = measure_step_cost_curves(m.model, 2, repeats=1, contexts=(8, 32))
+    assert list(curves) == [8, 32] and all(len(v) == 2 and min(v) > 0 for v in curves.values())
+    assert sizes == [1, 1]
