@@ -43,6 +43,10 @@ WARMUP=${WARMUP:-200}
 TOKENS=${TOKENS:-16384}
 PART_MB=15  # files back from $OUT: 16 MiB each at most
 
+lightest() {  # the payload holding the fewest bytes so far (1, 2 or 3)
+  for j in 1 2 3; do echo "$(du -sb "$DEV/payload-$j" | cut -f1) $j"; done | sort -n | head -1 | cut -d' ' -f2
+}
+
 prepare() {
   . .venv/bin/activate
   rm -rf "$DEV/payload-1" "$DEV/payload-2" "$DEV/payload-3"
@@ -62,14 +66,14 @@ print(a.gguf_name, a.sha256)" > "$DEV/payload-3/gguf.txt"
   for m in ${METHODS//,/ }; do
     src=runs/train/$m-best
     [ -f "$src/model.safetensors" ] || src=specdecode/data/drafters/smollm2-135m-$m
-    i=$(for j in 1 2 3; do echo "$(du -sb "$DEV/payload-$j" | cut -f1) $j"; done | sort -n | head -1 | cut -d' ' -f2)
+    i=$(lightest)
     mkdir -p "$DEV/payload-$i/init/$m"
     cp "$src/config.json" "$src/model.safetensors" "$DEV/payload-$i/init/$m/"
   done
   # the committed regenerated sets travel in the payloads too (the tree leaves them behind), each
   # into the lightest payload; train unpacks and reads every one of them
   for f in data/regen/*.npz; do
-    i=$(for j in 1 2 3; do echo "$(du -sb "$DEV/payload-$j" | cut -f1) $j"; done | sort -n | head -1 | cut -d' ' -f2)
+    i=$(lightest)
     mkdir -p "$DEV/payload-$i/regen-npz"
     cp "$f" "$DEV/payload-$i/regen-npz/"
   done

@@ -87,7 +87,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.policy = policy if policy is not None else FixedK(0)
         # Whether any request may draft: if not, drafters need not read prompts (`Drafter.prefill`).
-        self._may_draft = self.policy.k_max > 0 and getattr(self.policy, "enabled", True)
+        self._may_draft = self.policy.k_max > 0 and self.policy.enabled
         self.max_batch, self.verify_mode = max_batch, verify_mode
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.vocab_size = target.vocab_size

@@ -52,6 +52,7 @@ class DraftPolicy:
     """Base class: K = 0 for everyone (plain decoding); every hook has a neutral default."""
 
     k_max: int = 0
+    enabled: bool = True  # False: drafting cannot pay on this machine, so the policy never drafts
 
     def choose(self, states: list[PolicyState]) -> list[int]:
         return [0] * len(states)

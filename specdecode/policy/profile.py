@@ -122,7 +122,7 @@ def measure_step_cost_curves(
 def measure_step_costs(model, max_tokens: int, repeats: int = 5) -> list[float]:
     """Median wall seconds of a forward of n = 1..max_tokens new tokens over a `CONTEXT`-token
     cache (batch 1; the model's window permitting)."""
-    ctx = min(CONTEXT, model.info.max_position - max_tokens - 1)
+    ctx = contexts_for(model, max_tokens)[0]
     return measure_step_cost_curves(model, max_tokens, repeats, (ctx,))[ctx]
 
 
