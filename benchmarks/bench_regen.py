@@ -68,7 +68,7 @@ def _kv_bytes_per_position(target) -> int:
     return 2 * info.num_layers * info.num_kv_heads * info.head_dim * size
 
 
-def _run(target, args, batch: int, out: Path) -> dict:
+def _run(target, args, batch: int, out: Path, share: bool = True) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     return regenerate(
         target,
@@ -82,6 +82,7 @@ def _run(target, args, batch: int, out: Path) -> dict:
         temperature=0.7,
         seed=args.seed,
         progress=False,
+        share_prefix=share,
     )
 
 
@@ -99,16 +100,17 @@ def bench(args) -> dict:
     rows, prof = [], None
     bandwidth = measure_read_bandwidth()
     kvs, batches = args.kv_cache_dtypes.split(","), [int(b) for b in args.batch_sizes.split(",")]
+    shares = [{"on": True, "off": False}[x] for x in args.share_prefix.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     try:
         for kv in kvs:
             target = load_model(args.target, dtype=args.dtype, kv_cache_dtype=kv)
-            for batch in batches:
+            for batch, share in [(b, x) for b in batches for x in shares]:
                 warm = argparse.Namespace(
                     **{**vars(args), "num_prompts": 4, "samples": 1, "max_new_tokens": 16}
                 )
                 _run(target, warm, batch, work / "warm")
-                s = _run(target, args, batch, work / "run")
+                s = _run(target, args, batch, work / "run", share)
                 read = s["tokens"] / batch * weight_bytes(target.model)
                 read += _context_sum(work / "run") * _kv_bytes_per_position(target)
                 ceiling = bandwidth * s["tokens"] / read
@@ -116,6 +118,8 @@ def bench(args) -> dict:
                     {
                         "kv_cache_dtype": kv,
                         "batch_size": batch,
+                        "share_prefix": share,
+                        "shared_prompt_tokens": s["shared_prompt_tokens"],
                         "answers": s["answers"],
                         "tokens": s["tokens"],
                         "seconds": round(s["seconds"], 1),
@@ -149,13 +153,15 @@ def report(res: dict) -> str:
         "",
         f"Read bandwidth measured here {m['read_bandwidth_gb_s']} GB/s.",
         "",
-        "| KV cache | batch | answers | tokens | seconds | answers/s | tokens/s | ceiling tokens/s "
-        "| x ceiling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| KV cache | batch | prompt rows shared | answers | tokens | seconds | answers/s | tokens/s "
+        "| ceiling tokens/s | x ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['kv_cache_dtype']} | {r['batch_size']} | {r['answers']} | {r['tokens']} | {r['seconds']} "
+            f"| {r['kv_cache_dtype']} | {r['batch_size']} "
+            f"| {'on' if r.get('share_prefix') else 'off'} ({r.get('shared_prompt_tokens', 0)} copied) "
+            f"| {r['answers']} | {r['tokens']} | {r['seconds']} "
             f"| {r['answers_per_s']} | {r['tokens_per_s']} | {r['ceiling_tokens_per_s']} "
             f"| {r['tokens_per_s'] / r['ceiling_tokens_per_s']:.2f} |"
         )
@@ -181,6 +187,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--share-prefix", default="on", help="on, off or on,off: samples of a prompt copy its rows (A/B)"
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
     args = ap.parse_args()

@@ -13,6 +13,14 @@ Contract:
   one, rounded up), else `prefill_chunk`; so running requests keep streaming while a long
   prompt is read, and a short one costs the rows it adds to a forward. An idle decoder reads
   every waiting prompt at once, chunks packed into forwards of up to `prefill_chunk` tokens.
+- Prefix sharing (`share_prefix`, on by default; caches with `copy_prefix`): a request admitted
+  while another holds the first n >= `MIN_SHARED_ROWS` tokens of its prompt in the cache (a
+  running request's prompt and output, a prefilling one's rows so far) copies those rows
+  instead of computing them; one whose whole prompt but its last token another prefilling
+  request is computing (the samples of one prompt, a repeated request) waits for those rows and
+  prefills nothing. A copied row is the row its source computed, so outputs are what each
+  request gives alone, up to the batch rounding of products (exactly equal in fp32 tests).
+  Drafters that read the target's hidden states copy them too, from prefilling sources only.
 - Each decode step is one `step.speculate(batch, riders)` over every running request (ragged
   K): propose -> verify forward -> verify -> commit -> advance (step.py).
 - Output distribution is exactly the target's (verification is lossless); at T = 0 the tokens
@@ -39,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from specdecode.drafter import Drafter
@@ -61,6 +70,7 @@ __all__ = ["GenerationRequest", "GenerationResult", "SpeculativeDecoder", "StepS
 log = logging.getLogger("specdecode.decode")
 
 PREFILL_CHUNK = 512
+MIN_SHARED_ROWS = 16  # shorter common prefixes are computed, not copied
 VERIFY_MODES = ("rejection", "match")
 
 
@@ -74,6 +84,7 @@ class SpeculativeDecoder:
         verify_mode: str = "rejection",
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_budget: int | None = None,
+        share_prefix: bool = True,
     ):
         if verify_mode not in VERIFY_MODES:
             raise SpecDecodeError(
@@ -90,6 +101,8 @@ class SpeculativeDecoder:
         self._may_draft = self.policy.k_max > 0 and self.policy.enabled
         self.max_batch, self.verify_mode = max_batch, verify_mode
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        self.share_prefix = share_prefix
+        self.shared_tokens = 0  # prompt rows copied from another request instead of computed
         self.vocab_size = target.vocab_size
         self.eos_ids = set(target.eos_token_ids)
         self.cache, self._cache_shape, self._reserved = None, (0, 0), False
@@ -222,6 +235,7 @@ class SpeculativeDecoder:
             r.hidden_parts = {i: [] for i in self.drafter.needs_hidden}
             self.cache.reset(r.slot)
             self._prefilling.append(r)
+            self._share_prefix(r)
         # 2. Chunked prefill. While others decode, the next chunk of each prefilling request
         # (one per request, `budget` tokens in all) rides in the decode step's forward. The budget
         # grows with the number of prompts waiting per running request: a burst of arrivals
@@ -242,6 +256,9 @@ class SpeculativeDecoder:
             riders = self._chunks(budget)
         while idle and self._prefilling:
             chunks = self._chunks(None)
+            if not chunks:  # only waiting sharers left (cannot happen: their sources prefill)
+                self._resolve_shares(force=True)
+                continue
             segments = [self._chunk_segment(r, n) for r, n in chunks]
             t1 = time.perf_counter()
             outs = forward_packed(self.model, self.cache, segments)
@@ -282,6 +299,8 @@ class SpeculativeDecoder:
         for r in self._prefilling:
             if left <= 0:
                 break
+            if r.share_from is not None:  # waits for its source's rows
+                continue
             size = min(self.prefill_chunk, len(r.req.prompt_ids) - 1 - r.num_prefilled, left)
             chunks.append((r, size))
             left -= size
@@ -305,10 +324,63 @@ class SpeculativeDecoder:
             r.num_prefilled += size
             r.prefill_time += dt
             self.last_step.prefill_tokens += size
-            if r.prefill_done:
-                self._start(r)
-                self._prefilling.remove(r)
-                self._running.append(r)
+        self._resolve_shares()
+        for r in [r for r in self._prefilling if r.prefill_done]:
+            self._start(r)
+            self._prefilling.remove(r)
+            self._running.append(r)
+
+    # ---- prefix sharing -------------------------------------------------------------------
+    def _cached_ids(self, o: RunningRequest) -> tuple[list[int], list[int]]:
+        """Token ids whose rows o holds in the cache now, and those it will hold when its prompt
+        is prefilled (the same for a running request)."""
+        if _holds(self._running, o):
+            return o.token_ids[: self.cache.used(o.slot)], []
+        return o.req.prompt_ids[: o.num_prefilled], o.req.prompt_ids[:-1]
+
+    def _share_prefix(self, r: RunningRequest) -> None:
+        """Copy the longest prefix of r's prompt that another request holds (module docstring),
+        or wait for a prefilling request that will hold all of it."""
+        want = len(r.req.prompt_ids) - 1  # the last prompt token opens the first verify block
+        if not self.share_prefix or want < MIN_SHARED_ROWS or not hasattr(self.cache, "copy_prefix"):
+            return
+        prompt = r.req.prompt_ids[:want]
+        hidden = bool(self.drafter.needs_hidden)
+        best, src, later = 0, None, None
+        for o in self._prefilling + self._running:
+            if o is r or o.share_from is not None or (hidden and _holds(self._running, o)):
+                continue
+            now, then = self._cached_ids(o)
+            n = _common_prefix(prompt, now)
+            if n > best:
+                best, src = n, o
+            if best < want and later is None and len(then) >= want and then[:want] == prompt:
+                later = o
+        if best == want or (best >= MIN_SHARED_ROWS and later is None):
+            self._copy_prefix(r, src, best)
+        elif later is not None:
+            r.share_from, r.share_rows = later, want
+
+    def _copy_prefix(self, r: RunningRequest, src: RunningRequest, n: int) -> None:
+        self.cache.copy_prefix(src.slot, r.slot, n)
+        for i in self.drafter.needs_hidden:
+            r.hidden_parts[i] = [torch.cat(src.hidden_parts[i])[:n]]  # [n, d]
+        r.num_prefilled = n
+        self.shared_tokens += n
+
+    def _resolve_shares(self, force: bool = False) -> None:
+        """Waiting sharers copy their rows once the source holds them; a sharer whose source has
+        gone (aborted, failed) prefills on its own."""
+        for r in self._prefilling:
+            src = r.share_from
+            if src is None:
+                continue
+            alive = _holds(self._prefilling, src)
+            if alive and src.num_prefilled >= r.share_rows:
+                self._copy_prefix(r, src, r.share_rows)
+            elif alive and not force:
+                continue
+            r.share_from = None
 
     def _start(self, r: RunningRequest) -> None:
         """r's prompt is in the cache: the drafter starts on it, and so does r's decode clock."""
@@ -362,3 +434,17 @@ class SpeculativeDecoder:
             if event.result is not None:
                 results[event.request_id] = event.result
         return [results[r.id] for r in requests]
+
+
+def _holds(group: list[RunningRequest], r: RunningRequest) -> bool:
+    """Whether `r` itself (not an equal request) is in `group`."""
+    return any(x is r for x in group)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two id lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(diff.argmax()) if diff.any() else n

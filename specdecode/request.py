@@ -86,7 +86,7 @@ class StreamEvent:
     result: GenerationResult | None = None  # set on the request's final event
 
 
-@dataclass
+@dataclass(eq=False)  # requests compare by identity
 class RunningRequest:
     """A request in a slot (prefilling or decoding)."""
 
@@ -114,6 +114,10 @@ class RunningRequest:
     # Chunked prefill: prompt tokens already in the cache, and the drafter's captured states.
     num_prefilled: int = 0
     hidden_parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [[n, d]]
+    # Prefix sharing: a request whose whole prompt but its last token another prefilling request
+    # is computing waits for those rows (`share_rows`) and copies them (decode.py).
+    share_from: RunningRequest | None = field(default=None, repr=False)
+    share_rows: int = 0
     _verify_gen: torch.Generator = field(init=False, repr=False)
     _table: torch.Tensor = field(init=False, repr=False)  # [T] position-keyed uniforms
 

@@ -334,3 +334,106 @@ def test_tree_request_without_drafts_samples_the_same_in_a_batch(tiny):
         alone.update(run([r]))
     assert {k: batched[k] for k in alone} == alone
     assert len({tuple(t) for t in alone.values()}) > 1  # the seeds do sample different tokens
+
+
+# ---- prefix sharing ----------------------------------------------------------------------------
+
+
+class _HiddenRecorder(NgramDrafter):
+    """An n-gram drafter that also reads the target's hidden states: records what `start` gets."""
+
+    needs_hidden = (0, 1)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def start(self, slot, prompt_ids, hidden=None):
+        super().start(slot, prompt_ids, hidden)
+        self.seen.setdefault(tuple(prompt_ids), []).append(hidden)
+
+
+def _shared_prompts(tok):
+    """Two prompts sharing a 20+ token prefix, and each of them twice (samples of one prompt)."""
+    head = tok("the quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat by the door")[
+        "input_ids"
+    ]
+    a, b = head + tok(" and then it rains")["input_ids"], head + tok(" so we go home")["input_ids"]
+    return [a, a, b, b]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)])
+@pytest.mark.parametrize("drafter", ["ar", "ngram", "hidden"])
+def test_prefix_sharing_decodes_as_without_it(tiny, params, drafter):
+    """Requests that copy a shared prompt prefix (a sibling's whole prompt, or another's common
+    head) give the tokens they give when every prompt is computed (fp32; greedy and sampled)."""
+    prompts = _shared_prompts(tiny.tokenizer)
+    make = {"ar": ARDrafter, "ngram": NgramDrafter, "hidden": _HiddenRecorder}[drafter]
+    k = 0 if drafter == "ar" else 3
+    runs = {}
+    for share in (False, True):
+        d = make()
+        dec = SpeculativeDecoder(tiny, d, FixedK(k), max_batch=4, share_prefix=share)
+        reqs = []
+        for i, p in enumerate(prompts):
+            reqs.append(GenerationRequest(p, params, 16, seed=i, id=str(i), ignore_eos=True))
+        runs[share] = ([r.token_ids for r in dec.generate(reqs)], dec.shared_tokens, d)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0
+    # The second sample of each prompt waits for the first and copies it whole (the first of the
+    # second prompt does not wait for the head the first prompt is still computing).
+    assert runs[True][1] == len(prompts[0]) - 1 + len(prompts[2]) - 1
+    if drafter == "hidden":
+        for key, alone in runs[False][2].seen.items():
+            for h_shared, h_alone in zip(runs[True][2].seen[key], alone, strict=True):
+                for layer in (0, 1):
+                    assert h_shared[layer].shape == h_alone[layer].shape
+                    torch.testing.assert_close(h_shared[layer], h_alone[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_prefix_is_copied_from_a_running_request(tiny, same):
+    """A request admitted while another decodes copies the rows their prompts share at once (the
+    whole prompt but its last token, or the common head) and decodes as it does alone."""
+    first, _, other, _ = _shared_prompts(tiny.tokenizer)
+    second = first if same else other
+    alone = [_decode(tiny, ARDrafter(), 0, [p], max_new=12)[0].token_ids for p in (first, second)]
+    dec = SpeculativeDecoder(tiny, ARDrafter(), FixedK(0), max_batch=2)
+    dec.reserve(2, 128)
+    dec.add_request(GenerationRequest(first, SamplingParams(), 12, seed=0, id="0", ignore_eos=True))
+    out, copied = {}, []
+    for step in range(40):
+        if step == 3:
+            dec.add_request(GenerationRequest(second, SamplingParams(), 12, seed=1, id="1", ignore_eos=True))
+        before = dec.shared_tokens
+        for ev in dec.step():
+            if ev.result:
+                out[ev.request_id] = ev.result.token_ids
+        copied.append(dec.shared_tokens - before)
+        if not dec.has_unfinished():
+            break
+    assert [out["0"], out["1"]] == alone
+    head = next(i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b)
+    assert copied[3] == (len(first) - 1 if same else head)  # in one copy, at admission
+    assert sum(copied) == copied[3]
+
+
+def test_a_sharer_whose_source_is_aborted_prefills_alone(tiny):
+    prompt = _shared_prompts(tiny.tokenizer)[0]
+    short = _prompts(tiny.tokenizer, 1)[0]
+    alone = _decode(tiny, ARDrafter(), 0, [prompt], max_new=10)[0].token_ids
+    dec = SpeculativeDecoder(tiny, ARDrafter(), FixedK(0), max_batch=3, prefill_chunk=4)
+    dec.reserve(3, 128)
+    dec.add_request(GenerationRequest(short, SamplingParams(), 30, id="busy", ignore_eos=True))
+    dec.step()  # "busy" decodes from now on: prompts are read 4 tokens a step beside it
+    for i in range(2):
+        dec.add_request(GenerationRequest(prompt, SamplingParams(), 10, seed=i, id=str(i), ignore_eos=True))
+    dec.step()  # "1" waits for "0", which has read its first 4 tokens
+    assert dec.abort("0")
+    out = {}
+    while dec.has_unfinished():
+        for ev in dec.step():
+            if ev.result:
+                out[ev.request_id] = ev.result.token_ids
+    assert out["1"] == alone
+    assert dec.shared_tokens == 0

@@ -11,6 +11,8 @@ Contract:
   scratch row that absorbs the writes of right-padding tokens in ragged batches; it is never
   attended to. One buffer lets a compaction move the rows of every layer with two tensor ops.
 * A write that would pass `max_len` raises `SpecDecodeError` before anything is written.
+* `copy_prefix(src, dst, n)` (KVCache) fills an empty slot with the first `n` committed rows of
+  another and commits them: requests whose prompts share a prefix compute its rows once.
 """
 
 from __future__ import annotations
@@ -122,6 +124,16 @@ class KVCache(CacheState):
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` committed rows of slot `src` into the empty slot `dst` and commit them."""
+        if src == dst or not 0 < n <= self.lengths[src] or self.lengths[dst] != 0:
+            raise ValueError(
+                f"copy_prefix needs an empty destination and n in 1..{self.lengths[src]} committed rows "
+                f"of the source (src {src}, dst {dst} holding {self.lengths[dst]}, n {n})"
+            )
+        self.kv[:, :, dst, :, :n].copy_(self.kv[:, :, src, :, :n])  # [2, layers, Hk, n, D]
+        self.lengths[dst] = n
 
     def _compact(self, slot: int, start: int, rows: list[int]) -> None:
         # Gather first (a copy), then write: source and destination rows may overlap.

@@ -6,7 +6,8 @@ Contract:
   (a model without one reads the user text as is),
   lets the target answer every prompt `samples` times through the decoding loop (plain `ar`,
   continuous batching: a finished answer's slot takes the next prompt at once; the runtime's
-  measured weight formats), and appends one record per answer to `out_dir/<split>.jsonl` as it
+  measured weight formats; the samples of one prompt compute its rows once and copy them,
+  `share_prefix`), and appends one record per answer to `out_dir/<split>.jsonl` as it
   finishes:
       {"id", "input_ids": prompt + response ids, "loss_mask": 0 over the prompt, 1 over the
        response (the EOS the target ended with included), "finish_reason"}
@@ -120,9 +121,10 @@ def regenerate(
     max_prompt_tokens: int = 1024,
     overwrite: bool = False,
     progress: bool = True,
+    share_prefix: bool = True,
 ) -> dict:
     """Let the target answer the prompt set (see module docstring); returns a summary
-    (answers, tokens, seconds, tokens/s, skipped prompts)."""
+    (answers, tokens, seconds, tokens/s, skipped prompts, prompt tokens copied between samples)."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     if max_new_tokens < 1 or batch_size < 1 or samples < 1:
         raise SpecDecodeError("--max-new-tokens, --batch-size and --samples must be >= 1")
@@ -148,7 +150,7 @@ def regenerate(
         meta["samples"] = samples  # absent for one sample: older single-sample runs stay resumable
     _check_meta(out_dir, meta, overwrite)
     max_len = min(target.model.info.max_position, max_prompt_tokens + max_new_tokens)
-    decoder = SpeculativeDecoder(target, ARDrafter(), max_batch=batch_size)
+    decoder = SpeculativeDecoder(target, ARDrafter(), max_batch=batch_size, share_prefix=share_prefix)
     decoder.reserve(batch_size, max_len + 2)
     eos = target.eos_token_ids[0] if target.eos_token_ids else None
     summary = {"answers": 0, "tokens": 0, "seconds": 0.0, "skipped_prompts": 0}
@@ -223,6 +225,7 @@ def regenerate(
         summary["tokens"] += n_tok
         summary["seconds"] += time.perf_counter() - t0
     summary["tokens_per_s"] = summary["tokens"] / summary["seconds"] if summary["seconds"] else 0.0
+    summary["shared_prompt_tokens"] = decoder.shared_tokens
     return summary
 
 
