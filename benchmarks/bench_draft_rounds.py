@@ -49,6 +49,12 @@ def main() -> int:
     ap.add_argument("--drafter", action="append", default=[], help="METHOD=DIR (default: the shipped one)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (T > 0: rounds draw q, verify by rejection)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     drafters = dict(s.split("=", 1) for s in a.drafter)
@@ -66,11 +72,11 @@ def main() -> int:
     rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau, verify s, speed-up)
     for _ in range(a.repeats):
         for p in PROMPTS:
-            r = ar.generate(p, max_new_tokens=a.tokens, chat=True)
+            r = ar.generate(p, max_new_tokens=a.tokens, chat=True, temperature=a.temperature)
             step = r.decode_time_s / max(r.num_new_tokens, 1)
             for m, sd in sds.items():
                 sd.decoder.draft_time = sd.decoder.verify_time = 0.0
-                res = sd.generate(p, max_new_tokens=a.tokens, chat=True)
+                res = sd.generate(p, max_new_tokens=a.tokens, chat=True, temperature=a.temperature)
                 n, dec = max(res.num_steps, 1), sd.decoder
                 speedup = step * res.num_new_tokens / res.decode_time_s if res.decode_time_s else float("nan")
                 drafted = res.num_drafted / n  # drafts per round (MTP: at most its modules)
@@ -82,7 +88,8 @@ def main() -> int:
         f"# Drafting round cost at fixed K ({a.target})",
         "",
         f"Machine: {machine}, {torch.get_num_threads()} threads; torch {torch.__version__}. "
-        f"{len(PROMPTS)} prompts (chat template, greedy), {a.tokens} new tokens, {a.repeats} passes; "
+        f"{len(PROMPTS)} prompts (chat template, {f'T = {a.temperature:g}' if a.temperature else 'greedy'}), "
+        f"{a.tokens} new tokens, {a.repeats} passes; "
         "medians over prompts and passes. Step: `ar` decode time per token on the same prompt just "
         "before (prefill excluded).",
         "",

@@ -130,6 +130,10 @@ class SpeculativeDecoder:
             raise SpecDecodeError(
                 f"request {req.id!r}: max_new_tokens must be >= 1, got {req.max_new_tokens}"
             )
+        if req.stop and not req.detokenize:
+            raise SpecDecodeError(
+                f"request {req.id!r}: stop strings need text; keep detokenize on or stop on token ids (EOS)"
+            )
         if len(req.prompt_ids) + req.max_new_tokens > ctx:
             raise SpecDecodeError(
                 f"request {req.id!r}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "

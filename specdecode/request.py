@@ -14,7 +14,8 @@ Contract:
   tokens after a stop are dropped. Text that could still grow into a stop string, and
   incomplete UTF-8, is held back until it is settled. Detokenization is incremental (a window
   of a few tokens before the new ones), so a step costs the same at any output length; the
-  final text is one full decode.
+  final text is one full decode. A request with `detokenize=False` gets ids only (empty text,
+  no stop strings): what regeneration needs, without a tokenizer call per request per step.
 - `fail(run, message)` ends a request with `finish_reason == "error"` and `result.error`.
 """
 
@@ -44,6 +45,7 @@ class GenerationRequest:
     seed: int = 0
     id: str = "0"
     ignore_eos: bool = False
+    detokenize: bool = True  # False: token ids only, no text and no stop strings (regeneration)
 
 
 @dataclass
@@ -176,6 +178,11 @@ def emit(r: RunningRequest, new_ids: list[int], tokenizer, eos_ids: set[int]) ->
             break
     r.output_ids.extend(taken)
     r.token_ids.extend(taken)
+    if not r.req.detokenize:
+        event = StreamEvent(r.req.id, "", taken)
+        if r.finish_reason is not None:
+            event.result = make_result(r, "")
+        return event
     text = _decode_new(r, tokenizer)
     hold, cut_by_stop = 0, False
     for s in r.req.stop:

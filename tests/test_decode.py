@@ -1,6 +1,7 @@
 """The decoding loop: greedy speculative == greedy ar (fp32), batch == single, stops, distribution."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from specdecode.drafter import Proposal
 from specdecode.drafters.ar import ARDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter, NgramTable
+from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.policy import AdaptiveK, FixedK
 from specdecode.verify import Verdict
@@ -295,7 +297,6 @@ class _PoisonSlot:
 def test_a_failing_request_ends_alone(tiny, tiny_drafter, value, sampled):
     """Non-finite logits in one row end that request with an error; its neighbours decode exactly
     as they do without it (same tokens, same random streams)."""
-    import dataclasses
 
     prompts = _prompts(tiny.tokenizer)
     params = SamplingParams(temperature=1.0) if sampled else SamplingParams()
@@ -437,3 +438,15 @@ def test_a_sharer_whose_source_is_aborted_prefills_alone(tiny):
                 out[ev.request_id] = ev.result.token_ids
     assert out["1"] == alone
     assert dec.shared_tokens == 0
+
+
+def test_requests_without_detokenization_give_the_same_ids(tiny):
+    prompts = _prompts(tiny.tokenizer)
+    dec = SpeculativeDecoder(tiny, ARDrafter(), FixedK(0), max_batch=3)
+    reqs = [GenerationRequest(p, SamplingParams(), 12, id=str(i)) for i, p in enumerate(prompts)]
+    with_text = dec.generate(reqs)
+    ids_only = dec.generate([dataclasses.replace(r, detokenize=False) for r in reqs])
+    assert [r.token_ids for r in ids_only] == [r.token_ids for r in with_text]
+    assert all(r.text == "" for r in ids_only) and any(r.text for r in with_text)
+    with pytest.raises(SpecDecodeError, match="stop strings need text"):
+        dec.add_request(GenerationRequest(prompts[0], stop=("x",), detokenize=False))

@@ -60,7 +60,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.measured import cached_measurement
 from specdecode.models import kernels
 
-BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
 LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
 OURS = ("bf16w", "bf16-amx", "bf16-dp")  # our compiled products, in decode_layer's kind order
 AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx", "bf16-dp")

@@ -189,6 +189,7 @@ def regenerate(
                         max_new_tokens=max_new_tokens,
                         seed=derive_seed(seed, zlib.crc32(sid.encode())),
                         id=sid,
+                        detokenize=False,  # only the ids are written
                     )
                 )
 
