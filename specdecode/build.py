@@ -185,18 +185,20 @@ CALIBRATION_TEXT = (
 
 
 @torch.inference_mode()
-def _round_seconds(tgt, drf, k: int, tokens: int = 24) -> float:
-    """Drafting seconds per round of a greedy run that always drafts k (best of two runs)."""
+def _round_seconds(tgt, drf, k: int, tokens: int = 24, temperature: float = 0.0, whole: bool = False):
+    """Drafting seconds per round of a run that always drafts k (best of two runs); `whole`:
+    drafting + verification seconds per step."""
     dec = SpeculativeDecoder(tgt, drf, FixedK(k), max_batch=1)
     ids = tgt.tokenizer.encode(CALIBRATION_TEXT)
-    req = GenerationRequest(prompt_ids=ids, params=SamplingParams(temperature=0.0), max_new_tokens=tokens,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(temperature=temperature)
+    req = GenerationRequest(prompt_ids=ids, params=params, max_new_tokens=tokens, ignore_eos=True)
     dec.generate([req])  # warm-up
     best = float("inf")
     for _ in range(2):  # the faster of two runs: interference only adds time
-        dec.draft_time = 0.0
+        dec.draft_time = dec.verify_time = 0.0
         res = dec.generate([req])[0]
-        best = min(best, dec.draft_time / max(res.num_steps, 1))
+        spent = dec.draft_time + (dec.verify_time if whole else 0.0)
+        best = min(best, spent / max(res.num_steps, 1))
     return best
 
 
@@ -215,7 +217,8 @@ def drafter_round_costs(tgt, drf, method: str, k: int):
     and the curve over K, through the K where the drafter says its cost bends),
     timed on short greedy runs (catch-up on committed context included, as in a real round) and
     keyed by the drafter's architecture (method, class, parameter count, dtype), the drafting
-    code (sources and kernels), the target and the machine."""
+    code (sources and kernels), the target and the machine; with what a sampled step costs beyond
+    a greedy one (`RoundCosts.sampled_extra`)."""
     nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
     params = sum(p.numel() for m in nets for p in m.parameters())
     dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
@@ -223,7 +226,14 @@ def drafter_round_costs(tgt, drf, method: str, k: int):
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     ident.append(_drafting_code_tag())  # faster drafting code is measured anew
     cpu = tgt.model.info.device.type == "cpu"
-    return draft_round_costs(ident, k, lambda n: _round_seconds(tgt, drf, n), cpu=cpu, points=drf.cost_points)
+    return draft_round_costs(
+        ident,
+        k,
+        lambda n: _round_seconds(tgt, drf, n),
+        cpu=cpu,
+        points=drf.cost_points,
+        step_seconds=lambda n, t: _round_seconds(tgt, drf, n, temperature=t, whole=True),
+    )
 
 
 def build(options: LoadOptions) -> SpecDecode:
@@ -236,7 +246,7 @@ def build(options: LoadOptions) -> SpecDecode:
     drf = build_drafter(o.method, tgt, spec, dtype=o.dtype, device=o.device, options=o.drafter_options)
     k = o.k
     verify_cost, draft_cost, draft_fixed, step_cost = 0.03, drf.cost_per_token, 0.0, None
-    draft_curve = verify_curves = None
+    draft_curve = verify_curves = sampled_extra = None
     if o.policy in _MEASURED_POLICIES and k > 0:
         # Measured once per machine and cached: what K+1 verified tokens and a draft token cost.
         verify_curves = step_cost_curves(tgt.model, tgt.fingerprint, k + 1)  # {context: seconds}
@@ -248,6 +258,8 @@ def build(options: LoadOptions) -> SpecDecode:
             rc = drafter_round_costs(tgt, drf, o.method, k)
             draft_fixed, draft_cost = rc.fixed / costs[0], rc.per_token / costs[0]
             draft_curve = [c / costs[0] for c in rc.curve]
+            if rc.sampled_extra is not None:
+                sampled_extra = [c / costs[0] for c in rc.sampled_extra]
     if o.policy in _SCHEDULED_POLICIES:
         if k > 0:  # SPS(B): the target's step time over batch sizes, blocks and contexts (cached)
             max_context = o.max_model_len or tgt.model.info.max_position
@@ -265,5 +277,6 @@ def build(options: LoadOptions) -> SpecDecode:
         draft_fixed=draft_fixed,
         draft_curve=draft_curve,
         verify_curves=verify_curves,
+        sampled_extra=sampled_extra,
     )
     return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

@@ -126,6 +126,7 @@ class RunningRequest:
     def __post_init__(self) -> None:
         self.generator = seeded_generator(self.req.seed, stream=0)
         self._verify_gen = seeded_generator(self.req.seed, stream=1)
+        self.policy_state.sampled = not self.req.params.greedy
         self._table = torch.empty(0)
 
     @property

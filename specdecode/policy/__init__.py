@@ -54,13 +54,15 @@ def make_policy(
     draft_fixed: float = 0.0,
     draft_curve: Sequence[float] | None = None,
     verify_curves: dict[int, Sequence[float]] | None = None,
+    sampled_extra: Sequence[float] | None = None,
 ) -> DraftPolicy:
     """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
     online: the scheduled policies correct that profile and the drafting cost from measured steps;
     draft_fixed: a drafting round's cost beyond its per-token cost; draft_curve: a round's
     measured cost for K = 1..k, which the adaptive policy reads instead of the line where given;
     verify_curves: {context: seconds of forwards of 1..k+1 tokens}, read by the adaptive policy at
-    each request's context."""
+    each request's context; sampled_extra: what a sampled step with K = 0..k drafts costs beyond a
+    greedy one (beyond plain sampled decoding), in target steps, added for requests at T > 0."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
@@ -71,6 +73,7 @@ def make_policy(
             draft_fixed=draft_fixed,
             draft_curve=draft_curve,
             verify_curves=verify_curves,
+            sampled_extra=sampled_extra,
         )
     if name in ("scheduled", "scheduled-production"):
         if step_cost is None:

@@ -11,10 +11,12 @@ the request's own context: a verify block's attention grows with its rows times 
 long RAG prompt makes K extra tokens dearer than a short chat), draft_cost the cost of one draft
 token and draft_fixed what a drafting round costs beyond its tokens (a block drafter's one
 forward, catching up on committed context), both relative to a target step (measured once per
-machine for learned drafters: `build.py`). When
-acceptance is poor it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing
-off) so it can recover when the text becomes predictable again. Where the measured costs say that
-even perfect acceptance would not pay, it never drafts. Decisions depend only on the request's
+machine for learned drafters: `build.py`). A request that samples (T > 0) adds `sampled_extra[K]`:
+what drafting q and verifying by rejection cost beyond a greedy step with the same K, beyond
+what plain sampled decoding pays too (measured with the round costs). When acceptance is poor
+it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
+recover when the text becomes predictable again. Where the measured costs say that even perfect
+acceptance would not pay, it never drafts. Decisions depend only on the request's
 own history and fixed constants, never on wall-clock timings, so a seeded run is reproducible
 and a request decodes the same alone or in a batch.
 """
@@ -44,6 +46,7 @@ class AdaptiveK(DraftPolicy):
         draft_fixed: float = 0.0,
         draft_curve: Sequence[float] | None = None,
         verify_curves: dict[int, Sequence[float]] | None = None,
+        sampled_extra: Sequence[float] | None = None,
     ):
         """verify_cost: relative cost per extra verified token, or the measured curve
         [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens; draft_curve:
@@ -70,6 +73,10 @@ class AdaptiveK(DraftPolicy):
         if self.draft_curve is not None and len(self.draft_curve) < k_max:
             raise ValueError(f"draft_curve needs {k_max} entries (K = 1..K_max), got {len(self.draft_curve)}")
         self.decay, self.probe_every = decay, probe_every
+        self.sampled_extra = None if sampled_extra is None else [float(c) for c in sampled_extra]
+        if self.sampled_extra is not None and len(self.sampled_extra) < k_max + 1:
+            n = len(self.sampled_extra)
+            raise ValueError(f"sampled_extra needs {k_max + 1} entries (K = 0..K_max), got {n}")
         self.verify_curves = None
         if verify_curves:
             curves = {int(c): [float(t) for t in v] for c, v in sorted(verify_curves.items())}
@@ -102,17 +109,21 @@ class AdaptiveK(DraftPolicy):
             got = self._at_context[ctx] = [max(tn, t[0]) / t[0] for tn in t]
         return got
 
-    def round_cost(self, k: int, context: int | None = None) -> float:
-        """A step that drafts k tokens, in target one-token steps (at that committed context)."""
+    def round_cost(self, k: int, context: int | None = None, sampled: bool = False) -> float:
+        """A step that drafts k tokens, in target one-token steps (at that committed context; a
+        sampled request's extra included)."""
         verify = self.verify_at(context)
+        extra = self.sampled_extra[k] if sampled and self.sampled_extra is not None else 0.0
         if k == 0:
             return verify[0]
         if self.draft_curve is not None:
-            return verify[k] + self.draft_curve[k - 1]
-        return verify[k] + self.draft_fixed + k * self.draft_cost
+            return verify[k] + self.draft_curve[k - 1] + extra
+        return verify[k] + self.draft_fixed + k * self.draft_cost + extra
 
-    def best_k(self, alpha: float, context: int | None = None) -> int:
-        speedups = [expected_tau(alpha, k) / self.round_cost(k, context) for k in range(self.k_max + 1)]
+    def best_k(self, alpha: float, context: int | None = None, sampled: bool = False) -> int:
+        speedups = [
+            expected_tau(alpha, k) / self.round_cost(k, context, sampled) for k in range(self.k_max + 1)
+        ]
         k = max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
         return k if speedups[k] >= 1.0 + self.MARGIN else 0
 
@@ -121,7 +132,7 @@ class AdaptiveK(DraftPolicy):
             return [0] * len(states)
         ks = []
         for st in states:
-            k = self.best_k(st.accepted / max(st.tried, 1e-6), st.context_len or None)
+            k = self.best_k(st.accepted / max(st.tried, 1e-6), st.context_len or None, st.sampled)
             if k == 0 and self.k_max > 0:
                 # Probe with one draft now and then; each probe that does not lift the estimate
                 # doubles the interval (up to 64 steps), so a hopeless request costs ~nothing.

@@ -12,7 +12,7 @@ Contract:
   times (default: ignored; the scheduled policies learn their costs from it).
 - `PolicyState` is the per-request record a policy keeps (owned by the request). Before each
   `choose` the loop sets `context_len` (tokens in the request) and `room` (drafts the request can
-  still use), which batch-level policies read.
+  still use), which batch-level policies read; `sampled` (T > 0) is set once, at admission.
 - `expected_tau(alpha, k)`: expected tokens per step with k drafts and i.i.d. acceptance alpha.
 """
 
@@ -33,6 +33,7 @@ class PolicyState:
     # Set by the loop before each choose(): what batch-level schedulers read.
     context_len: int = 0  # tokens in the request (prompt + output so far)
     room: int | None = None  # most drafts the request can still use (None = no limit)
+    sampled: bool = False  # the request samples (T > 0): its rounds and verification cost more
     last_k: int = 0  # K a batch-level policy asked for in the last step
     # Decayed per-position counts (index k-1 = draft position k): checked / accepted drafts.
     pos_reached: list[float] = field(default_factory=list)

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specdecode.assets import cache_dir
@@ -171,6 +172,9 @@ class RoundCosts(NamedTuple):
     fixed: float  # round(K) ~ fixed + K * per_token: the line through K = 1 and K = k
     per_token: float
     curve: list[float]  # round(K) for K = 1..k, piecewise linear through every measured K
+    # What a sampled (T > 0) step costs beyond a greedy one with the same K (drafting q and
+    # verification by rejection), minus what plain sampled decoding pays (K = 0): K = 0..k.
+    sampled_extra: list[float] | None = None
 
 
 def draft_round_costs(
@@ -179,6 +183,7 @@ def draft_round_costs(
     round_seconds: Callable[[int], float],
     cpu: bool = True,
     points: Sequence[int] = (),
+    step_seconds: Callable[[int, float], float] | None = None,
 ) -> RoundCosts:
     """What a drafting round costs: (fixed, per token) and the curve over K = 1..k.
 
@@ -188,6 +193,8 @@ def draft_round_costs(
     `ident` (what the cost depends on: the drafter's architecture, the target, the machine),
     cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
     `cpu=False`: the rounds run on a device, the host's share of the cores says nothing.
+    `step_seconds(K, T)` (optional) times whole steps (drafting + verification) at K = 0 and the
+    same K at T = 0 and T = 1: their difference is `RoundCosts.sampled_extra`.
     """
     at = sorted({1, k, *(p for p in points if 1 < p < k)})
     key = hashlib.sha256("|".join([*ident, ",".join(map(str, at))]).encode()).hexdigest()[:24]
@@ -197,17 +204,33 @@ def draft_round_costs(
         one, full = rounds["1"], rounds[str(k)]
         per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
         fixed = max(one - per_token, 0.0)
-        return {"fixed_s": fixed, "per_token_s": per_token, "rounds_s": rounds}
+        rec = {"fixed_s": fixed, "per_token_s": per_token, "rounds_s": rounds}
+        if step_seconds is not None:  # greedy and sampled steps in turn, per K
+            rec["sampled_extra_s"] = {str(n): step_seconds(n, 1.0) - step_seconds(n, 0.0) for n in (0, *at)}
+        return rec
 
+    sampled = step_seconds is not None
     rec = cached_measurement(
-        cache_dir() / "profiles" / f"draft-{key}.json",
+        cache_dir() / "profiles" / f"draft-{key}{'-sampled' if sampled else ''}.json",
         measure,
-        valid=lambda old: "fixed_s" in old and "per_token_s" in old and "rounds_s" in old,
+        valid=lambda old: (
+            "fixed_s" in old
+            and "per_token_s" in old
+            and "rounds_s" in old
+            and (not sampled or "sampled_extra_s" in old)
+        ),
         cpu=cpu,
     )
     xs = sorted(int(n) for n in rec["rounds_s"])  # holds 1 and k: no K of the curve lies outside
     curve = [interp(xs, [rec["rounds_s"][str(n)] for n in xs], K) for K in range(1, k + 1)]
-    return RoundCosts(rec["fixed_s"], rec["per_token_s"], curve)
+    extra = None
+    if sampled:
+        ex = {int(n): t for n, t in rec["sampled_extra_s"].items()}
+        ks = sorted(ex)
+        # Beyond plain sampled decoding's own cost; noise never makes drafting cheaper.
+        # (ks hold 0 and k: np.interp, unlike `interp`, keeps a negative difference negative)
+        extra = [max(float(np.interp(K, ks, [ex[n] for n in ks])) - ex[0], 0.0) for K in range(k + 1)]
+    return RoundCosts(rec["fixed_s"], rec["per_token_s"], curve, extra)
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

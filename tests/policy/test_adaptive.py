@@ -77,6 +77,22 @@ def test_a_measured_round_curve_replaces_the_line():
         AdaptiveK(k_max=16, verify_cost=flat, draft_curve=curve[:8])
 
 
+def test_a_sampled_request_pays_its_extra_and_a_greedy_one_does_not():
+    """At T > 0 a round costs `sampled_extra[K]` more (q and rejection sampling): at middling
+    acceptance a greedy request drafts and a sampled one with the same acceptance does not."""
+    flat = [1.0, 1.05, 1.1, 1.15, 1.2]
+    pol = AdaptiveK(k_max=4, draft_cost=0.05, verify_cost=flat, sampled_extra=[0.0, 0.25, 0.3, 0.35, 0.4])
+    assert pol.round_cost(2, sampled=True) == pytest.approx(pol.round_cost(2) + 0.3)
+    assert pol.round_cost(0, sampled=True) == pol.round_cost(0) == 1.0
+    assert pol.best_k(0.35) > 0 and pol.best_k(0.35, sampled=True) == 0
+    assert pol.best_k(0.9, sampled=True) == 4
+    states = [PolicyState(accepted=0.35, tried=1.0), PolicyState(accepted=0.35, tried=1.0, sampled=True)]
+    ks = pol.choose(states)
+    assert ks[0] > 0 and ks[1] == 0
+    with pytest.raises(ValueError, match="sampled_extra needs 5"):
+        AdaptiveK(k_max=4, verify_cost=flat, sampled_extra=[0.0, 0.1])
+
+
 def test_a_round_must_promise_the_margin_over_plain_decoding():
     """Free verification and drafting: one draft at acceptance alpha promises 1 + alpha. Below
     1 + MARGIN the policy decodes plainly (the model leaves out catch-up and probes), above it

@@ -79,7 +79,7 @@ def test_drafting_round_costs_measured_on_a_busy_machine_are_measured_again(tmp_
         return 0.001 * (2 + k)
 
     for n in range(1, measured.MAX_ATTEMPTS + 2):
-        fixed, per_token, _ = draft_round_costs(["drafter", "target"], 4, round_seconds)
+        fixed, per_token, *_ = draft_round_costs(["drafter", "target"], 4, round_seconds)
         assert timed == [1, 4] * min(n, measured.MAX_ATTEMPTS)
     assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.001)
     (path,) = (tmp_path / "profiles").glob("draft-*.json")
@@ -100,12 +100,36 @@ def test_drafting_round_curve_passes_through_every_timed_k(tmp_path, monkeypatch
         timed.append(k)
         return 0.001 * min(k, 5)
 
-    fixed, per_token, curve = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5, 99))
+    fixed, per_token, curve, extra = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5, 99))
     assert timed == [1, 5, 16]  # a point past k is not timed
     assert curve == pytest.approx([0.001 * min(k, 5) for k in range(1, 17)])
     assert fixed + per_token == pytest.approx(0.001) and fixed + 16 * per_token == pytest.approx(0.005)
-    _, _, again = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5,))
+    assert extra is None  # no sampled steps timed
+    _, _, again, _ = draft_round_costs(["tree", "target"], 16, round_seconds, points=(5,))
     assert again == curve and timed == [1, 5, 16]  # cached
+
+
+def test_sampled_steps_add_their_extra_beyond_plain_sampled_decoding(tmp_path, monkeypatch):
+    """With `step_seconds`, whole steps are timed greedy and sampled at K = 0 and every timed K:
+    the extra a sampled step costs over a greedy one, less plain sampled decoding's own extra, is
+    interpolated over K = 0..k and never negative; it is cached with the round costs."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
+    timed = []
+
+    def step_seconds(k, t):
+        timed.append((k, t))
+        base = 0.010 + 0.001 * k
+        return base + (0.0005 + 0.0002 * k if t > 0 else 0.0)  # sampling: 0.5 ms + 0.2 ms a draft
+
+    rc = draft_round_costs(["eagle", "target"], 4, lambda k: 0.001 * k, step_seconds=step_seconds)
+    assert rc.sampled_extra == pytest.approx([0.0, 0.0002, 0.0004, 0.0006, 0.0008])
+    assert sorted({k for k, _ in timed}) == [0, 1, 4] and len(timed) == 6
+    again = draft_round_costs(["eagle", "target"], 4, lambda k: 0.001 * k, step_seconds=step_seconds)
+    assert again.sampled_extra == rc.sampled_extra and len(timed) == 6  # cached
+    faster = lambda k, t: 0.01 - 0.001 * t * (k + 1)  # noqa: E731 (noise: sampled steps timed faster)
+    noisy = draft_round_costs(["other", "target"], 4, lambda k: 0.001, step_seconds=faster)
+    assert noisy.sampled_extra == [0.0] * 5
 
 
 def test_monotone_envelope_lowers_bumps_and_keeps_a_rising_curve():
