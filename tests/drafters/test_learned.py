@@ -5,6 +5,7 @@ import collections
 import json
 
 import pytest
+import torch
 from fakes import decode_fixed_k, short_prompts
 from scipy.stats import chi2_contingency
 
@@ -355,10 +356,13 @@ def test_mtp_rows_in_one_call_equal_the_modules(tiny_llama_dir, trained, monkeyp
         torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=1e-3)
 
 
-def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, monkeypatch):
-    """A greedy EAGLE-3 round of one request is one `eagle_chain` call when the target's plan
-    runs our kernels: the same draft ids round by round as the per-token loop (whose layers are
-    one decode_layer call each), the same output."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
+def test_eagle_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, monkeypatch, temperature):
+    """An EAGLE-3 round of one request is one `eagle_chain` call (greedy) or `eagle_chain_sampled`
+    call (a plain temperature) when the target's plan runs our kernels: the same draft ids round by
+    round as the per-token loop (whose layers are one decode_layer call each), the same drawn
+    distributions q up to rounding (the same uniforms, from the request's generator in the same
+    order), the same output."""
     from specdecode.drafters.eagle.drafter import EagleDrafter
     from specdecode.models import kernels
     from specdecode.models.formats import BUCKETS, FormatPlan
@@ -368,6 +372,7 @@ def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, train
     target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
     target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
     prompts = short_prompts(target.tokenizer)
+    params = SamplingParams(temperature=temperature)
     real = EagleDrafter._chain
     runs = []
     for chained in (True, False):
@@ -379,12 +384,18 @@ def test_eagle_greedy_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, train
             monkeypatch.setattr(EagleDrafter, "_chain_args", lambda self: None)
         inner = drafter.propose
         drafter.propose = lambda batch, k, inner=inner, p=proposals: p.append(inner(batch, k)) or p[-1]
-        res = decode_fixed_k(target, drafter, 4, prompts, max_batch=1)
-        runs.append(([r.token_ids for r in res], [p.draft_ids.tolist() for p in proposals], len(calls)))
+        res = decode_fixed_k(target, drafter, 4, prompts, params=params, max_batch=1)
+        qs = [p.draft_probs for p in proposals]
+        runs.append(([r.token_ids for r in res], [p.draft_ids.tolist() for p in proposals], len(calls), qs))
         monkeypatch.undo()
-    (tokens_c, drafts_c, calls_c), (tokens_l, drafts_l, calls_l) = runs
+    (tokens_c, drafts_c, calls_c, qs_c), (tokens_l, drafts_l, calls_l, qs_l) = runs
     assert calls_c == len(drafts_c) > 3 and calls_l == 0  # every round of the first run chained
     assert tokens_c == tokens_l and drafts_c == drafts_l
+    for q_c, q_l in zip(qs_c, qs_l, strict=True):
+        assert (q_c is None) == (q_l is None) == (temperature == 0)
+        if q_c is not None:
+            torch.testing.assert_close(q_c, q_l, atol=1e-5, rtol=1e-4)
+            assert torch.allclose(q_c.sum(-1), torch.ones(()), atol=1e-4)
 
 
 def test_mtp_deep_modules_catch_up_only_when_a_round_drafts_deep(tiny, trained, monkeypatch):

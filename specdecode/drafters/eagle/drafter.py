@@ -207,18 +207,23 @@ class EagleDrafter(Drafter):
             self._chain_spec = (layer, head[:3]) if ok and self.dtype == torch.float32 else None
         return self._chain_spec
 
-    def _chain(self, chain: tuple, slot: int, state: torch.Tensor, base: int, k: int) -> torch.Tensor:
-        """K greedy draft ids [K] of one request from its last state [1, d] (eagle_chain)."""
+    def _chain(self, chain: tuple, slot: int, state: torch.Tensor, base: int, k: int, sampled=None):
+        """K draft ids [K] of one request from its last state [1, d]: greedy (eagle_chain), or with
+        `sampled` = (uniforms [K], temperature) drawn at that temperature, returning also their
+        distributions over the draft vocabulary [K, Vd] (eagle_chain_sampled)."""
         (args, norms), head = chain
-        net, c = self.net, self.net.cfg
+        net, c, ops = self.net, self.net.cfg, kernels.fused()
         positions = torch.arange(base + 1, base + k)[None]  # [1, K - 1] positions of drafts 0..K-2
         cs = signed_rope(*rope_table(positions, c.head_dim, c.rope_theta))[0]  # [K - 1, 2, D]
-        return kernels.fused().eagle_chain(
+        common = (
             state, k, *head, net.norm.weight, self.vocab.off, self.vocab.d2t, self.target.embed_tokens,
             net.input_norm.weight, net.hidden_norm.weight, *args, cs,
             self.cache.k[0][slot : slot + 1], self.cache.v[0][slot : slot + 1], base, c.rms_norm_eps,
-            c.num_heads, c.num_kv_heads, c.head_dim, **norms,
+            c.num_heads, c.num_kv_heads, c.head_dim,
         )  # fmt: skip
+        if sampled is None:
+            return ops.eagle_chain(*common, **norms)
+        return ops.eagle_chain_sampled(*common, *sampled, **norms)
 
     # ---- propose --------------------------------------------------------------------------
 
@@ -238,9 +243,20 @@ class EagleDrafter(Drafter):
         base = torch.tensor([self.cache.lengths[s] for s in slots])  # [B']
         state = torch.stack([self._last[s] for s in slots])  # [B', d]
         xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
-        chain = self._chain_args() if greedy and len(idx) == 1 else None
-        if chain is not None:  # the whole greedy chain in one compiled call
+        # One request's whole chain in one compiled call: greedy, or sampled at a plain temperature
+        # (no top-k / top-p) with the uniforms the loop below would draw, in the same order.
+        plain = greedy or (not 0 < params[0].top_k < self.vocab.d2t.numel() and params[0].top_p >= 1.0)
+        chain = self._chain_args() if plain and len(idx) == 1 else None
+        if chain is not None and not hasattr(kernels.fused(), "eagle_chain_sampled") and not greedy:
+            chain = None
+        if chain is not None and greedy:
             xs = list(self.vocab.to_target(self._chain(chain, slots[0], state, int(base[0]), max_k))[:, None])
+        elif chain is not None:
+            g = batch[idx[0]].generator
+            u = torch.stack([torch.rand((), generator=g) for _ in range(max_k)])  # [K]
+            ids, q = self._chain(chain, slots[0], state, int(base[0]), max_k, (u, params[0].temperature))
+            xs = list(self.vocab.to_target(ids)[:, None])  # K x [1]
+            qs = list(q.to(self.device)[:, None])  # K x [1, Vd]
         for j in range(0 if chain is not None else max_k):
             small = self.net.logits(state)  # [B', Vd]
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives

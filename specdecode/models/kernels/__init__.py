@@ -15,7 +15,8 @@ Contract:
     `attention`; contracts in that file), and DSpark's greedy Markov pass `markov_argmax`;
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
-    and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call.
+    and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
+    (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions).
   Each computes a row the same way whatever the number of rows.
 - Both come from one extension, absent when it cannot run here: a non-x86 CPU, no C++
   compiler, a failed build, or a CPU without AVX2 + FMA (that check only keeps the process

@@ -12,6 +12,11 @@
 // `q_norm` / `k_norm` (both or neither): per-head RMSNorm weights applied to every head of q and
 // of k before RoPE (the drafters' Qwen3-style layer, as their `FusedRMSNorm` modules do it).
 //
+// eagle_chain(state [1, d], K, head, ...) -> [K] draft ids: EAGLE-3's greedy chain of one request
+// (head product, argmax over the ids not `off`, embed, decode_layer), and
+// eagle_chain_sampled(..., uniforms [K], temperature) -> ([K] ids, q [K, Vd]): draft j drawn from
+// q_j = softmax((logits - max) / T) by inverse CDF with uniforms[j] (sampling.sample's rule).
+//
 // It is `NativeDecoder._layer_fused` (norm, QKV product, RoPE, cache write, attention with the G
 // query heads of a KV head folded into the rows, output product, add + norm, gate/up product,
 // SiLU-mul, down product, residual add) calling the same functions in the same order, so its
@@ -21,6 +26,9 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 // The kernels of the other translation units (bf16w.cpp, amx.cpp, bf16dp.cpp, fused.cpp).
@@ -50,6 +58,34 @@ torch::Tensor product(int64_t kind, const torch::Tensor& x, const torch::Tensor&
     case 2: return dp_linear(x, P, n, bias);
     default: TORCH_CHECK(false, "unknown product kind ", kind);
   }
+}
+
+// Temperature sampling of one row, as sampling.process_logits + sampling.sample do it:
+// q = softmax((x - max) / T) over the ids not `off` (written to q, off ids 0), then the first id
+// whose cumulative mass exceeds u * total (total: the cumulative sum's end; the target kept
+// strictly below it), which has positive mass.
+int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i)
+    if (!(off && off[i]) && x[i] > mx) mx = x[i];
+  float sum = 0.f;
+  for (int64_t i = 0; i < V; ++i) {
+    q[i] = (off && off[i]) ? 0.f : std::exp((x[i] - mx) / T);
+    sum += q[i];
+  }
+  const float inv = 1.f / sum;
+  float total = 0.f;
+  for (int64_t i = 0; i < V; ++i) total += (q[i] *= inv);
+  const float target = std::min(u * total, std::nextafter(total, 0.f));
+  float c = 0.f;
+  int64_t last = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (q[i] <= 0.f) continue;
+    last = i;
+    c += q[i];
+    if (c > target) return i;
+  }
+  return last;
 }
 
 }  // namespace
@@ -96,16 +132,20 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
 // base + j with the cs row j (RoPE of position base + j + 1), reading rows 0..base + j of k/v
 // [1, Hk, R, D]. The drafter's Python loop (EagleDrafter.propose) calls the same functions in the
 // same order, so the ids are the same; what goes is its ~30 operators per draft token.
-torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p,
-                          int64_t head_n, const torch::Tensor& norm_w, const c10::optional<torch::Tensor>& off,
-                          const torch::Tensor& d2t, const torch::Tensor& embed, const torch::Tensor& in_w,
-                          const torch::Tensor& hid_w, int64_t qkv_kind, const torch::Tensor& qkv_p, int64_t qkv_n,
-                          const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind, const torch::Tensor& o_p,
-                          int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
-                          int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n,
-                          const torch::Tensor& cs, torch::Tensor k, torch::Tensor v, int64_t base, double eps,
-                          int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& q_norm,
-                          const c10::optional<torch::Tensor>& k_norm) {
+namespace {
+
+// The chain of `eagle_chain` / `eagle_chain_sampled`: greedy when `u` is null, else draft j is
+// sampled at temperature T with uniform u[j] and its distribution written to row j of q [K, Vd].
+torch::Tensor chain_impl(const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p,
+                         int64_t head_n, const torch::Tensor& norm_w, const c10::optional<torch::Tensor>& off,
+                         const torch::Tensor& d2t, const torch::Tensor& embed, const torch::Tensor& in_w,
+                         const torch::Tensor& hid_w, int64_t qkv_kind, const torch::Tensor& qkv_p, int64_t qkv_n,
+                         const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind, const torch::Tensor& o_p,
+                         int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
+                         int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n,
+                         const torch::Tensor& cs, torch::Tensor& k, torch::Tensor& v, int64_t base, double eps,
+                         int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& q_norm,
+                         const c10::optional<torch::Tensor>& k_norm, const float* u, float T, float* q) {
   TORCH_CHECK(state.dim() == 2 && state.size(0) == 1 && state.scalar_type() == torch::kFloat32,
               "state must be [1, d] float32");
   TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && base >= 0 && base + K <= k.size(2) + 1, "k must be [1, Hk, R, D] with room");
@@ -119,8 +159,9 @@ torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_ki
   int64_t* idp = ids.data_ptr<int64_t>();
   auto s = state.contiguous();
   for (int64_t j = 0; j < K; ++j) {
-    const auto logits = product(head_kind, rms_norm(s, norm_w, eps), head_p, head_n, none);  // [1, Vd]
-    const int64_t xd = first_argmax(logits.data_ptr<float>(), head_n, offp);
+    const auto logits = product(head_kind, rms_norm(s, norm_w, eps), head_p, head_n, none).contiguous();  // [1, Vd]
+    const float* lp = logits.data_ptr<float>();
+    const int64_t xd = u ? sample_row(lp, head_n, offp, T, u[j], q + j * head_n) : first_argmax(lp, head_n, offp);
     idp[j] = xd;
     if (j + 1 == K) break;
     const auto emb = embed.narrow(0, d2tc.data_ptr<int64_t>()[xd], 1).to(torch::kFloat32);  // [1, d]
@@ -134,6 +175,44 @@ torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_ki
   return ids;
 }
 
+}  // namespace
+
+torch::Tensor eagle_chain(const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p,
+                          int64_t head_n, const torch::Tensor& norm_w, const c10::optional<torch::Tensor>& off,
+                          const torch::Tensor& d2t, const torch::Tensor& embed, const torch::Tensor& in_w,
+                          const torch::Tensor& hid_w, int64_t qkv_kind, const torch::Tensor& qkv_p, int64_t qkv_n,
+                          const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind, const torch::Tensor& o_p,
+                          int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
+                          int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n,
+                          const torch::Tensor& cs, torch::Tensor k, torch::Tensor v, int64_t base, double eps,
+                          int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& q_norm,
+                          const c10::optional<torch::Tensor>& k_norm) {
+  return chain_impl(state, K, head_kind, head_p, head_n, norm_w, off, d2t, embed, in_w, hid_w, qkv_kind, qkv_p,
+                    qkv_n, qkv_b, o_kind, o_p, o_n, ln2, gu_kind, gu_p, gu_n, down_kind, down_p, down_n, cs, k, v,
+                    base, eps, H, Hk, D, q_norm, k_norm, nullptr, 1.f, nullptr);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> eagle_chain_sampled(
+    const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p, int64_t head_n,
+    const torch::Tensor& norm_w, const c10::optional<torch::Tensor>& off, const torch::Tensor& d2t,
+    const torch::Tensor& embed, const torch::Tensor& in_w, const torch::Tensor& hid_w, int64_t qkv_kind,
+    const torch::Tensor& qkv_p, int64_t qkv_n, const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind,
+    const torch::Tensor& o_p, int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
+    int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n, const torch::Tensor& cs,
+    torch::Tensor k, torch::Tensor v, int64_t base, double eps, int64_t H, int64_t Hk, int64_t D,
+    const torch::Tensor& uniforms, double temperature, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm) {
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat32 && uniforms.numel() == K, "uniforms must be [K] float32");
+  TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: eagle_chain)");
+  const auto uc = uniforms.contiguous();
+  auto q = torch::zeros({K, head_n}, torch::kFloat32);
+  auto ids = chain_impl(state, K, head_kind, head_p, head_n, norm_w, off, d2t, embed, in_w, hid_w, qkv_kind, qkv_p,
+                        qkv_n, qkv_b, o_kind, o_p, o_n, ln2, gu_kind, gu_p, gu_n, down_kind, down_p, down_n, cs, k,
+                        v, base, eps, H, Hk, D, q_norm, k_norm, uc.data_ptr<float>(),
+                        static_cast<float>(temperature), q.data_ptr<float>());
+  return {ids, q};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def(
       "eagle_chain(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, Tensor? off, "
@@ -141,6 +220,13 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "int o_kind, Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, "
       "Tensor down_p, int down_n, Tensor cs, Tensor(a!) k, Tensor(b!) v, int base, float eps, int H, int Hk, "
       "int D, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
+  m.def(
+      "eagle_chain_sampled(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, "
+      "Tensor? off, Tensor d2t, Tensor embed, Tensor in_w, Tensor hid_w, int qkv_kind, Tensor qkv_p, int qkv_n, "
+      "Tensor? qkv_b, int o_kind, Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, "
+      "int down_kind, Tensor down_p, int down_n, Tensor cs, Tensor(a!) k, Tensor(b!) v, int base, float eps, "
+      "int H, int Hk, int D, Tensor uniforms, float temperature, Tensor? q_norm=None, Tensor? k_norm=None) "
+      "-> (Tensor, Tensor)");
   m.def(
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
@@ -151,4 +237,5 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("eagle_chain", &eagle_chain);
+  m.impl("eagle_chain_sampled", &eagle_chain_sampled);
 }
