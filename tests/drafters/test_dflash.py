@@ -140,9 +140,9 @@ def test_markov_table_gives_the_markov_head():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, monkeypatch, temperature):
-    """The drafter gathers Markov rows from the table (greedy: in one compiled call, or slot by
-    slot in Python), or multiplies by W2 when the table would not fit its memory budget: same
-    drafts, confidences and q, same outputs."""
+    """The drafter gathers Markov rows from the table (in one compiled call, greedy or sampled,
+    or slot by slot in Python), or multiplies by W2 when the table would not fit its memory
+    budget: same drafts, confidences and q, same outputs."""
     import specdecode.drafters.dspark.drafter as dspark_drafter
 
     out, _ = trained("dspark")
@@ -154,8 +154,8 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
         drafter = load_dspark(out, tiny)
         assert (drafter.markov is None) == (budget == 0)
         if not op:
-            drafter._chain_op = lambda U: None
-        chained.append(bool(drafter._chain_op(torch.zeros(1, 1, 1))))
+            drafter._chain_op = lambda U, sampled=False: None
+        chained.append(bool(drafter._chain_op(torch.zeros(1, 1, 1), sampled=temperature > 0)))
         proposals, inner = [], drafter.propose
 
         def propose(batch, num_draft, inner=inner, proposals=proposals):
@@ -173,6 +173,9 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
     for a, b in ((a, b) for _, other in others for a, b in zip(table, other, strict=True)):
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
         torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"])
+        assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
+        if a.draft_probs is not None:
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, atol=1e-5, rtol=1e-4)
         assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
         if temperature > 0:
             torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)

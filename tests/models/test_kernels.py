@@ -251,3 +251,36 @@ def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
         assert torch.equal(ops.markov_argmax(u, table, prev, o), torch.stack(want, 1))
     with pytest.raises(RuntimeError, match="outside the table"):
         ops.markov_argmax(u, table, torch.tensor([V + 1, 0, 0]), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_markov_sample_is_the_sampled_markov_loop(ops, dtype):
+    """markov_sample == the loop the drafter runs without it: q_k = process_logits(u[:, k] +
+    table[x_{k-1}], T) with off ids at -inf, x_k = sample(q_k, uniforms[:, k]): the same ids, q to
+    rounding, never an off id."""
+    from specdecode.config import SamplingParams
+    from specdecode.sampling import process_logits, sample
+
+    g = torch.Generator().manual_seed(4)
+    n, K, V = 3, 6, 50
+    u = torch.randn(n, K, V, generator=g) * 2  # [n, K, V]
+    table = (torch.randn(V + 1, V, generator=g) * 2).to(dtype)  # [V + 1, V]
+    prev = torch.tensor([V, 0, 17])
+    off = torch.zeros(V, dtype=torch.bool)
+    off[[2, 40]] = True
+    uni = torch.rand(n, K, generator=g)
+    for o in (None, off):
+        for temp in (1.0, 0.5):
+            want_ids, want_q, p = [], [], prev
+            for k in range(K):
+                logits = u[:, k] + table[p].float()
+                logits = logits if o is None else logits.masked_fill(o, float("-inf"))
+                q = process_logits(logits, SamplingParams(temp))
+                p = sample(q, uni[:, k])
+                want_ids.append(p)
+                want_q.append(q)
+            ids, q = ops.markov_sample(u, table, prev, o, uni, temp)
+            assert torch.equal(ids, torch.stack(want_ids, 1))
+            torch.testing.assert_close(q, torch.stack(want_q, 1), atol=1e-6, rtol=1e-5)
+            if o is not None:
+                assert not off[ids].any() and q[..., off].sum() == 0

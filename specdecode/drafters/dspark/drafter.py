@@ -67,11 +67,13 @@ class DSparkDrafter(DFlashDrafter):
         fits = (Vd + 1) * Vd * dtype.itemsize <= MARKOV_TABLE_BYTES
         self.markov = net.markov_table().to(self.device, dtype) if fits else None  # [Vd + 1, Vd]
 
-    def _chain_op(self, U: torch.Tensor):
-        """The compiled greedy Markov pass (`kernels`' markov_argmax) when it applies, else None."""
+    def _chain_op(self, U: torch.Tensor, sampled: bool = False):
+        """The compiled Markov pass when it applies, else None: greedy (`kernels`' markov_argmax)
+        or sampled at a plain temperature (markov_sample)."""
         ops = kernels.fused()
         cpu_f32 = U.device.type == "cpu" and U.dtype == torch.float32
-        return ops.markov_argmax if ops is not None and self.markov is not None and cpu_f32 else None
+        name = "markov_sample" if sampled else "markov_argmax"
+        return getattr(ops, name, None) if ops is not None and self.markov is not None and cpu_f32 else None
 
     def _draft(self, batch, idx, states, num):
         net, K, n = self.net, max(num), len(idx)
@@ -89,9 +91,19 @@ class DSparkDrafter(DFlashDrafter):
         prevs = torch.zeros(n, K, dtype=torch.long, device=self.device)  # x_{k-1} per slot
         survival = torch.ones(n, device=self.device)
         chain = greedy and self.threshold is None and self._chain_op(U)
+        # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
+        # with the uniforms the loop below would draw (per request, position by position).
+        p0, Vd = params[0], U.shape[-1]
+        plain = all(p == p0 for p in params) and not 0 < p0.top_k < Vd and p0.top_p >= 1.0
+        sampled = not greedy and self.threshold is None and plain and self._chain_op(U, sampled=True)
         if chain:  # the whole greedy pass in one call, the loop's arithmetic
             ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]
             prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
+        elif sampled:
+            u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
+            ids, q = sampled(U, self.markov, prev, self.vocab.off, u, p0.temperature)  # [B', K], [B', K, Vd]
+            prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
+            chain = True
         for j in range(0 if chain else K):
             prevs[:, j] = prev
             if self.threshold is not None:  # confidences now; without a threshold, after the loop

@@ -15,6 +15,9 @@
 //   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
 //       -> [n, K] int64, a greedy chain: x_0 = prev, x_k = argmax_v u[:, k-1, v] + table[x_{k-1}, v]
 //       over the v not `off` (sums in fp32; the first of equal maxima, as torch.argmax)
+//   markov_sample(u, table, prev, off, uniforms [n, K] fp32, temperature) -> ([n, K] int64, q [n, K, V])
+//       the same chain sampled: x_k drawn from q_k = softmax((s_k - max) / T) over the v not `off`
+//       (s_k = u[:, k] + table[x_{k-1}]) by inverse CDF with uniforms[:, k] (sampling.sample's rule)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -527,6 +531,34 @@ int64_t first_argmax(const float* x, int64_t V, const bool* off) {
   return std::max<int64_t>(arg, 0);
 }
 
+// Temperature sampling of one row (shared with layer.cpp's eagle_chain_sampled), as sampling.process_logits + sampling.sample do it:
+// q = softmax((x - max) / T) over the ids not `off` (written to q, off ids 0), then the first id
+// whose cumulative mass exceeds u * total (total: the cumulative sum's end; the target kept
+// strictly below it), which has positive mass.
+int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i)
+    if (!(off && off[i]) && x[i] > mx) mx = x[i];
+  float sum = 0.f;
+  for (int64_t i = 0; i < V; ++i) {
+    q[i] = (off && off[i]) ? 0.f : std::exp((x[i] - mx) / T);
+    sum += q[i];
+  }
+  const float inv = 1.f / sum;
+  float total = 0.f;
+  for (int64_t i = 0; i < V; ++i) total += (q[i] *= inv);
+  const float target = std::min(u * total, std::nextafter(total, 0.f));
+  float c = 0.f;
+  int64_t last = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (q[i] <= 0.f) continue;
+    last = i;
+    c += q[i];
+    if (c > target) return i;
+  }
+  return last;
+}
+
 template <typename T>
 void markov_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off, int64_t n,
                   int64_t K, int64_t V, int64_t* ids) {
@@ -565,8 +597,58 @@ torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, 
   return ids;
 }
 
+template <typename T>
+void markov_sampled_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off,
+                          int64_t n, int64_t K, int64_t V, const float* uni, float temp, int64_t* ids, float* q) {
+  std::vector<float> sums(V);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t p = prev[i];
+    for (int64_t k = 0; k < K; ++k) {
+      TORCH_CHECK(p >= 0 && p < R, "markov_sample: previous id ", p, " outside the table's ", R, " rows");
+      const float* ur = u + (i * K + k) * V;
+      const T* row = table + p * V;
+      for (int64_t v = 0; v < V; ++v) sums[v] = ur[v] + to_f(row[v]);
+      ids[i * K + k] = p = sample_row(sums.data(), V, off, temp, uni[i * K + k], q + (i * K + k) * V);
+    }
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> markov_sample(const torch::Tensor& u, const torch::Tensor& table,
+                                                       const torch::Tensor& prev,
+                                                       const c10::optional<torch::Tensor>& off,
+                                                       const torch::Tensor& uniforms, double temperature) {
+  check_f32(u, "u");
+  check_f32(uniforms, "uniforms");
+  TORCH_CHECK(u.dim() == 3 && table.dim() == 2 && table.size(1) == u.size(2), "u [n, K, V], table [R, V]");
+  TORCH_CHECK(prev.dim() == 1 && prev.size(0) == u.size(0) && prev.scalar_type() == torch::kInt64,
+              "prev must be [n] int64");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == u.size(0) && uniforms.size(1) == u.size(1),
+              "uniforms must be [n, K]");
+  TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: markov_argmax)");
+  const auto uc = u.contiguous(), tc = table.contiguous(), pc = prev.contiguous(), wc = uniforms.contiguous();
+  const int64_t n = uc.size(0), K = uc.size(1), V = uc.size(2), R = tc.size(0);
+  torch::Tensor oc;
+  const bool* op = off_mask(off, V, oc);
+  auto ids = torch::empty({n, K}, pc.options());
+  auto q = torch::zeros({n, K, V}, uc.options());
+  const float t = static_cast<float>(temperature);
+  if (tc.scalar_type() == torch::kFloat32) {
+    markov_sampled_chain<float>(uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), op, n, K,
+                                V, wc.data_ptr<float>(), t, ids.data_ptr<int64_t>(), q.data_ptr<float>());
+  } else {
+    TORCH_CHECK(tc.scalar_type() == torch::kBFloat16, "table must be float32 or bfloat16");
+    markov_sampled_chain<uint16_t>(uc.data_ptr<float>(),
+                                   reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()), R,
+                                   pc.data_ptr<int64_t>(), op, n, K, V, wc.data_ptr<float>(), t,
+                                   ids.data_ptr<int64_t>(), q.data_ptr<float>());
+  }
+  return {ids, q};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("markov_argmax(Tensor u, Tensor table, Tensor prev, Tensor? off) -> Tensor");
+  m.def("markov_sample(Tensor u, Tensor table, Tensor prev, Tensor? off, Tensor uniforms, float temperature) "
+        "-> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> Tensor[]");
   m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
@@ -581,4 +663,5 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("attention", &attention);
   m.impl("markov_argmax", &markov_argmax);
+  m.impl("markov_sample", &markov_sample);
 }

@@ -46,6 +46,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask);
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
+int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q);
 const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
 
 namespace {
@@ -58,34 +59,6 @@ torch::Tensor product(int64_t kind, const torch::Tensor& x, const torch::Tensor&
     case 2: return dp_linear(x, P, n, bias);
     default: TORCH_CHECK(false, "unknown product kind ", kind);
   }
-}
-
-// Temperature sampling of one row, as sampling.process_logits + sampling.sample do it:
-// q = softmax((x - max) / T) over the ids not `off` (written to q, off ids 0), then the first id
-// whose cumulative mass exceeds u * total (total: the cumulative sum's end; the target kept
-// strictly below it), which has positive mass.
-int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i)
-    if (!(off && off[i]) && x[i] > mx) mx = x[i];
-  float sum = 0.f;
-  for (int64_t i = 0; i < V; ++i) {
-    q[i] = (off && off[i]) ? 0.f : std::exp((x[i] - mx) / T);
-    sum += q[i];
-  }
-  const float inv = 1.f / sum;
-  float total = 0.f;
-  for (int64_t i = 0; i < V; ++i) total += (q[i] *= inv);
-  const float target = std::min(u * total, std::nextafter(total, 0.f));
-  float c = 0.f;
-  int64_t last = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (q[i] <= 0.f) continue;
-    last = i;
-    c += q[i];
-    if (c > target) return i;
-  }
-  return last;
 }
 
 }  // namespace
