@@ -204,10 +204,12 @@ def _round_seconds(tgt, drf, k: int, tokens: int = 24, temperature: float = 0.0,
 
 @cache
 def _drafting_code_tag() -> str:
-    """Hash of the drafters' sources and our compiled kernels: what a drafting round runs."""
-    root = Path(__file__).parent / "drafters"
+    """Hash of the drafters' sources, the step's sampling and verification, and our compiled
+    kernels: what a drafting round and a sampled step's extra run."""
+    pkg = Path(__file__).parent
     h = hashlib.sha256(kernels.source_tag().encode())
-    for f in sorted(root.rglob("*.py")):
+    step = [pkg / "sampling.py", pkg / "verify.py", pkg / "step.py"]
+    for f in [*sorted((pkg / "drafters").rglob("*.py")), *step]:
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

@@ -256,11 +256,12 @@ class SpeculativeDecoder:
         if not idle:
             budget = None
             if self.prefill_budget:
-                budget = self.prefill_budget * -(-len(self._prefilling) // len(self._running))
+                reading = sum(r.share_from is None for r in self._prefilling)  # sharers wait, read nothing
+                budget = self.prefill_budget * -(-reading // len(self._running))
             riders = self._chunks(budget)
         while idle and self._prefilling:
             chunks = self._chunks(None)
-            if not chunks:  # only waiting sharers left (cannot happen: their sources prefill)
+            if not chunks:  # only waiting sharers left: their source was aborted before they resolved
                 self._resolve_shares(force=True)
                 continue
             segments = [self._chunk_segment(r, n) for r, n in chunks]

@@ -15,6 +15,8 @@ Contract (pure functions, no state):
   the loop ends that request with an error instead (its neighbours are unaffected).
 * `draw_uniforms(generators, n)` gives each request its own row of uniforms from its own
   `torch.Generator`, so a request's randomness never depends on the batch it is in.
+* `plain_temperature(params, vocab_size)`: sampling at T > 0 with neither top-k nor top-p over
+  that vocabulary (processing is then one softmax: what the compiled samplers implement).
 * `seeded_generator(seed, stream)` is a CPU `torch.Generator` whose whole Mersenne-Twister state
   comes from all 64 bits of `seed` (and the stream number) through numpy's SeedSequence:
   `torch.Generator.manual_seed` alone keeps only the low 32 bits, so seeds 1 and 1 + 2**32
@@ -38,6 +40,7 @@ from specdecode.config import SamplingParams
 __all__ = [
     "process_logits",
     "process_logits_batch",
+    "plain_temperature",
     "sample",
     "draw_uniforms",
     "finite_rows",
@@ -124,6 +127,11 @@ def process_logits_batch(
         idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
         out.index_copy_(0, idx, process_logits(logits.index_select(0, idx), p, vocab_size))
     return out
+
+
+def plain_temperature(params: SamplingParams, vocab_size: int) -> bool:
+    """T > 0, and top-k / top-p keep every id of a `vocab_size` vocabulary."""
+    return params.temperature > 0 and not 0 < params.top_k < vocab_size and params.top_p >= 1.0
 
 
 def sample(

@@ -430,6 +430,8 @@ def test_a_sharer_whose_source_is_aborted_prefills_alone(tiny):
     for i in range(2):
         dec.add_request(GenerationRequest(prompt, SamplingParams(), 10, seed=i, id=str(i), ignore_eos=True))
     dec.step()  # "1" waits for "0", which has read its first 4 tokens
+    source, sharer = sorted(dec._prefilling, key=lambda r: r.req.id)
+    assert sharer.share_from is source and source.num_prefilled == 4 and sharer.num_prefilled == 0
     assert dec.abort("0")
     out = {}
     while dec.has_unfinished():

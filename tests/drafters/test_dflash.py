@@ -174,9 +174,6 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
         torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"])
         assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
-        if a.draft_probs is not None:
-            torch.testing.assert_close(a.draft_probs, b.draft_probs, atol=1e-5, rtol=1e-4)
-        assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
         if temperature > 0:
             torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
 

@@ -398,6 +398,32 @@ def test_eagle_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, mon
             assert torch.allclose(q_c.sum(-1), torch.ones(()), atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["eagle", "dspark"])
+def test_a_greedy_request_drafts_beside_a_sampled_one_that_drafts_nothing(tiny_llama_dir, trained, method):
+    """A batch mixes a greedy request with a sampled one that has no room left to draft: the greedy
+    one drafts alone in the per-position loop (not the sampled compiled pass, which needs T > 0),
+    and decodes exactly as plain greedy decoding. (The target runs our kernels, so the compiled
+    passes apply where they may.)"""
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    tiny = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    tiny.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    prompts = short_prompts(tiny.tokenizer)[:2]
+    alone = decode_fixed_k(tiny, ARDrafter(), 0, prompts[:1], max_new=20)[0].token_ids
+    dec = SpeculativeDecoder(tiny, _drafter(method, trained, tiny), FixedK(4), max_batch=2)
+    hot = SamplingParams(temperature=1.0)
+    reqs = [
+        GenerationRequest(prompts[0], SamplingParams(), 20, seed=0, id="greedy", ignore_eos=True),
+        GenerationRequest(prompts[1], hot, 6, seed=1, id="sampled", ignore_eos=True),
+    ]
+    greedy, sampled = dec.generate(reqs)
+    assert greedy.error is None and sampled.error is None
+    assert greedy.token_ids == alone and len(sampled.token_ids) == 6
+
+
 def test_mtp_deep_modules_catch_up_only_when_a_round_drafts_deep(tiny, trained, monkeypatch):
     """A round that drafts K tokens catches up MTP modules 1..K alone; a deeper module catches
     up on every row it skipped when a later round drafts that deep. Its drafts are those of a

@@ -34,7 +34,7 @@ from specdecode.drafters.dflash.model import t2d_table
 from specdecode.drafters.dspark.model import DSpark
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
-from specdecode.sampling import sample
+from specdecode.sampling import plain_temperature, sample
 
 THRESHOLD_ON = ("survival", "confidence")
 # The Markov table trades memory for the per-slot product: (Vd + 1) x Vd values (134 MB in bf16,
@@ -93,8 +93,8 @@ class DSparkDrafter(DFlashDrafter):
         chain = greedy and self.threshold is None and self._chain_op(U)
         # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
         # with the uniforms the loop below would draw (per request, position by position).
-        p0, Vd = params[0], U.shape[-1]
-        plain = all(p == p0 for p in params) and not 0 < p0.top_k < Vd and p0.top_p >= 1.0
+        p0 = params[0]
+        plain = all(p == p0 for p in params) and plain_temperature(p0, U.shape[-1])
         sampled = not greedy and self.threshold is None and plain and self._chain_op(U, sampled=True)
         if chain:  # the whole greedy pass in one call, the loop's arithmetic
             ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]

@@ -48,7 +48,7 @@ from specdecode.drafters.layers import (
 )
 from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import sample
+from specdecode.sampling import plain_temperature, sample
 from specdecode.verify import Verdict
 
 
@@ -245,7 +245,8 @@ class EagleDrafter(Drafter):
         xs, qs = [], []  # per draft position: [B'] target ids, [B', Vd] q
         # One request's whole chain in one compiled call: greedy, or sampled at a plain temperature
         # (no top-k / top-p) with the uniforms the loop below would draw, in the same order.
-        plain = greedy or (not 0 < params[0].top_k < self.vocab.d2t.numel() and params[0].top_p >= 1.0)
+        # (A greedy request beside sampled ones in the batch drafts in the loop.)
+        plain = greedy or plain_temperature(params[0], self.vocab.d2t.numel())
         chain = self._chain_args() if plain and len(idx) == 1 else None
         if chain is not None and not hasattr(kernels.fused(), "eagle_chain_sampled") and not greedy:
             chain = None

@@ -531,30 +531,33 @@ int64_t first_argmax(const float* x, int64_t V, const bool* off) {
   return std::max<int64_t>(arg, 0);
 }
 
-// Temperature sampling of one row (shared with layer.cpp's eagle_chain_sampled), as sampling.process_logits + sampling.sample do it:
-// q = softmax((x - max) / T) over the ids not `off` (written to q, off ids 0), then the first id
-// whose cumulative mass exceeds u * total (total: the cumulative sum's end; the target kept
-// strictly below it), which has positive mass.
+// Temperature sampling of one row (shared with layer.cpp's eagle_chain_sampled), as
+// sampling.process_logits + sampling.sample do it: q = softmax((x - max) / T) over the ids not
+// `off` (written to q, off ids 0), then the first id whose cumulative mass exceeds u * total,
+// total being the cumulative sum's end and the target kept strictly below it (an id of positive
+// mass). The sums run in double and each running total is rounded to fp32, as torch.cumsum does
+// on the CPU, so the ids match torch's path up to the rounding of q's exponentials.
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < V; ++i)
     if (!(off && off[i]) && x[i] > mx) mx = x[i];
-  float sum = 0.f;
+  double sum = 0.0;
   for (int64_t i = 0; i < V; ++i) {
     q[i] = (off && off[i]) ? 0.f : std::exp((x[i] - mx) / T);
     sum += q[i];
   }
-  const float inv = 1.f / sum;
-  float total = 0.f;
-  for (int64_t i = 0; i < V; ++i) total += (q[i] *= inv);
+  const float inv = static_cast<float>(1.0 / sum);
+  double acc = 0.0;
+  for (int64_t i = 0; i < V; ++i) acc += (q[i] *= inv);
+  const float total = static_cast<float>(acc);
   const float target = std::min(u * total, std::nextafter(total, 0.f));
-  float c = 0.f;
+  acc = 0.0;
   int64_t last = 0;
   for (int64_t i = 0; i < V; ++i) {
     if (q[i] <= 0.f) continue;
     last = i;
-    c += q[i];
-    if (c > target) return i;
+    acc += q[i];
+    if (static_cast<float>(acc) > target) return i;
   }
   return last;
 }
