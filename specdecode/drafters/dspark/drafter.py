@@ -98,13 +98,13 @@ class DSparkDrafter(DFlashDrafter):
         sampled = not greedy and self.threshold is None and plain and self._chain_op(U, sampled=True)
         if chain:  # the whole greedy pass in one call, the loop's arithmetic
             ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]
-            prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
         elif sampled:
             u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
             ids, q = sampled(U, self.markov, prev, self.vocab.off, u, p0.temperature)  # [B', K], [B', K, Vd]
+        compiled = bool(chain or sampled)
+        if compiled:
             prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
-            chain = True
-        for j in range(0 if chain else K):
+        for j in range(0 if compiled else K):
             prevs[:, j] = prev
             if self.threshold is not None:  # confidences now; without a threshold, after the loop
                 c = torch.sigmoid((z_state[:, j] + self.conf_row[prev]) / temp[j] + bias[j])  # [B']

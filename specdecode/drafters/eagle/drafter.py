@@ -247,9 +247,7 @@ class EagleDrafter(Drafter):
         # (no top-k / top-p) with the uniforms the loop below would draw, in the same order.
         # (A greedy request beside sampled ones in the batch drafts in the loop.)
         plain = greedy or plain_temperature(params[0], self.vocab.d2t.numel())
-        chain = self._chain_args() if plain and len(idx) == 1 else None
-        if chain is not None and not hasattr(kernels.fused(), "eagle_chain_sampled") and not greedy:
-            chain = None
+        chain = self._chain_args() if plain and len(idx) == 1 else None  # both ops: one extension
         if chain is not None and greedy:
             xs = list(self.vocab.to_target(self._chain(chain, slots[0], state, int(base[0]), max_k))[:, None])
         elif chain is not None:

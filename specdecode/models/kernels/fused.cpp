@@ -562,90 +562,74 @@ int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u,
   return last;
 }
 
+// The Markov chain of markov_argmax (uni null: x_k the argmax) and markov_sample (x_k drawn with
+// uni[i, k] at temperature temp, its distribution written to q).
 template <typename T>
-void markov_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off, int64_t n,
-                  int64_t K, int64_t V, int64_t* ids) {
+void markov_chain(const char* op, const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off,
+                  int64_t n, int64_t K, int64_t V, const float* uni, float temp, int64_t* ids, float* q) {
   std::vector<float> sums(V);
   for (int64_t i = 0; i < n; ++i) {
     int64_t p = prev[i];
     for (int64_t k = 0; k < K; ++k) {
-      TORCH_CHECK(p >= 0 && p < R, "markov_argmax: previous id ", p, " outside the table's ", R, " rows");
-      const float* ur = u + (i * K + k) * V;
+      TORCH_CHECK(p >= 0 && p < R, op, ": previous id ", p, " outside the table's ", R, " rows");
+      const int64_t at = i * K + k;
+      const float* ur = u + at * V;
       const T* row = table + p * V;
       for (int64_t v = 0; v < V; ++v) sums[v] = ur[v] + to_f(row[v]);
-      ids[i * K + k] = p = first_argmax(sums.data(), V, off);
+      ids[at] = p = uni ? sample_row(sums.data(), V, off, temp, uni[at], q + at * V)
+                        : first_argmax(sums.data(), V, off);
     }
   }
 }
 
-torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
-                            const c10::optional<torch::Tensor>& off) {
+// Checks and dispatch of both ops: ids [n, K], and q [n, K, V] when `uniforms` is given.
+std::tuple<torch::Tensor, torch::Tensor> markov_impl(const char* op, const torch::Tensor& u, const torch::Tensor& table,
+                                                     const torch::Tensor& prev,
+                                                     const c10::optional<torch::Tensor>& off,
+                                                     const torch::Tensor* uniforms, double temperature) {
   check_f32(u, "u");
   TORCH_CHECK(u.dim() == 3 && table.dim() == 2 && table.size(1) == u.size(2), "u [n, K, V], table [R, V]");
   TORCH_CHECK(prev.dim() == 1 && prev.size(0) == u.size(0) && prev.scalar_type() == torch::kInt64,
               "prev must be [n] int64");
   const auto uc = u.contiguous(), tc = table.contiguous(), pc = prev.contiguous();
   const int64_t n = uc.size(0), K = uc.size(1), V = uc.size(2), R = tc.size(0);
-  torch::Tensor oc;
-  const bool* op = off_mask(off, V, oc);
+  torch::Tensor oc, wc, q;
+  const bool* offp = off_mask(off, V, oc);
+  const float* uni = nullptr;
+  float* qp = nullptr;
+  if (uniforms) {
+    check_f32(*uniforms, "uniforms");
+    TORCH_CHECK(uniforms->dim() == 2 && uniforms->size(0) == n && uniforms->size(1) == K,
+                "uniforms must be [n, K]");
+    TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: markov_argmax)");
+    wc = uniforms->contiguous();
+    uni = wc.data_ptr<float>();
+    q = torch::zeros({n, K, V}, uc.options());
+    qp = q.data_ptr<float>();
+  }
   auto ids = torch::empty({n, K}, pc.options());
+  const float t = static_cast<float>(temperature);
   if (tc.scalar_type() == torch::kFloat32) {
-    markov_chain<float>(uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), op, n, K, V,
-                        ids.data_ptr<int64_t>());
+    markov_chain<float>(op, uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), offp, n, K, V,
+                        uni, t, ids.data_ptr<int64_t>(), qp);
   } else {
     TORCH_CHECK(tc.scalar_type() == torch::kBFloat16, "table must be float32 or bfloat16");
-    markov_chain<uint16_t>(uc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()),
-                           R, pc.data_ptr<int64_t>(), op, n, K, V, ids.data_ptr<int64_t>());
+    markov_chain<uint16_t>(op, uc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()),
+                           R, pc.data_ptr<int64_t>(), offp, n, K, V, uni, t, ids.data_ptr<int64_t>(), qp);
   }
-  return ids;
+  return {ids, q};
 }
 
-template <typename T>
-void markov_sampled_chain(const float* u, const T* table, int64_t R, const int64_t* prev, const bool* off,
-                          int64_t n, int64_t K, int64_t V, const float* uni, float temp, int64_t* ids, float* q) {
-  std::vector<float> sums(V);
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t p = prev[i];
-    for (int64_t k = 0; k < K; ++k) {
-      TORCH_CHECK(p >= 0 && p < R, "markov_sample: previous id ", p, " outside the table's ", R, " rows");
-      const float* ur = u + (i * K + k) * V;
-      const T* row = table + p * V;
-      for (int64_t v = 0; v < V; ++v) sums[v] = ur[v] + to_f(row[v]);
-      ids[i * K + k] = p = sample_row(sums.data(), V, off, temp, uni[i * K + k], q + (i * K + k) * V);
-    }
-  }
+torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
+                            const c10::optional<torch::Tensor>& off) {
+  return std::get<0>(markov_impl("markov_argmax", u, table, prev, off, nullptr, 1.0));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> markov_sample(const torch::Tensor& u, const torch::Tensor& table,
                                                        const torch::Tensor& prev,
                                                        const c10::optional<torch::Tensor>& off,
                                                        const torch::Tensor& uniforms, double temperature) {
-  check_f32(u, "u");
-  check_f32(uniforms, "uniforms");
-  TORCH_CHECK(u.dim() == 3 && table.dim() == 2 && table.size(1) == u.size(2), "u [n, K, V], table [R, V]");
-  TORCH_CHECK(prev.dim() == 1 && prev.size(0) == u.size(0) && prev.scalar_type() == torch::kInt64,
-              "prev must be [n] int64");
-  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == u.size(0) && uniforms.size(1) == u.size(1),
-              "uniforms must be [n, K]");
-  TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: markov_argmax)");
-  const auto uc = u.contiguous(), tc = table.contiguous(), pc = prev.contiguous(), wc = uniforms.contiguous();
-  const int64_t n = uc.size(0), K = uc.size(1), V = uc.size(2), R = tc.size(0);
-  torch::Tensor oc;
-  const bool* op = off_mask(off, V, oc);
-  auto ids = torch::empty({n, K}, pc.options());
-  auto q = torch::zeros({n, K, V}, uc.options());
-  const float t = static_cast<float>(temperature);
-  if (tc.scalar_type() == torch::kFloat32) {
-    markov_sampled_chain<float>(uc.data_ptr<float>(), tc.data_ptr<float>(), R, pc.data_ptr<int64_t>(), op, n, K,
-                                V, wc.data_ptr<float>(), t, ids.data_ptr<int64_t>(), q.data_ptr<float>());
-  } else {
-    TORCH_CHECK(tc.scalar_type() == torch::kBFloat16, "table must be float32 or bfloat16");
-    markov_sampled_chain<uint16_t>(uc.data_ptr<float>(),
-                                   reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()), R,
-                                   pc.data_ptr<int64_t>(), op, n, K, V, wc.data_ptr<float>(), t,
-                                   ids.data_ptr<int64_t>(), q.data_ptr<float>());
-  }
-  return {ids, q};
+  return markov_impl("markov_sample", u, table, prev, off, &uniforms, temperature);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
