@@ -253,6 +253,23 @@ def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
         ops.markov_argmax(u, table, torch.tensor([V + 1, 0, 0]), None)
 
 
+def test_markov_argmax_takes_torchs_choice_on_nan_inf_and_ties(ops):
+    """The vectorised argmax (no off ids) picks what torch.argmax picks: the first NaN, the first
+    of equal maxima wherever they fall in the 8-lane blocks, index 0 for a row of -inf."""
+    V = 8 * 37 + 5  # whole vectors and a tail
+    rows = torch.full((6, V), -5.0)
+    rows[0, [9, 14, 200, V - 1]] = 7.0  # ties in one block, in others, in the tail
+    rows[1, [V - 2, V - 1]] = 3.0  # the maximum only in the tail
+    rows[2, [11, 300]] = float("nan")  # NaN wins, the first one
+    rows[2, 5] = float("inf")
+    rows[3] = float("-inf")
+    rows[4, [V - 3]] = float("nan")  # a NaN in the tail only
+    rows[5, 0] = 1.0  # the very first id
+    u = rows[:, None]  # [6, 1, V]: one slot per request, a zero table
+    got = ops.markov_argmax(u, torch.zeros(1, V), torch.zeros(6, dtype=torch.long), None)[:, 0]
+    assert got.tolist() == rows.argmax(-1).tolist() == [9, V - 2, 11, 0, V - 3, 0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_sample_is_the_sampled_markov_loop(ops, dtype):
     """markov_sample == the loop the drafter runs without it: q_k = process_logits(u[:, k] +

@@ -99,17 +99,25 @@ class DFlashDrafter(Drafter):
         todo = [s for s in slots if self._pending.get(s)]
         if not todo:
             return
-        feats = [torch.cat(self._pending[s]) for s in todo]  # [n_s, 5d]
-        sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
-        rows = torch.cat(
-            [self.cache.lengths[s] + torch.arange(f.shape[0]) for s, f in zip(todo, feats, strict=True)]
-        )
+        feats = [q[0] if len(q) == 1 else torch.cat(q) for q in (self._pending[s] for s in todo)]  # [n_s, 5d]
         self.cache.check_room(todo, [f.shape[0] for f in feats])
-        ctx = self.net.fuse(torch.cat(feats)[None])  # [1, N, d]
-        sl, rows = sl.to(self.device), rows.to(self.device)
-        for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None])):
-            self.cache.k[layer][sl, :, rows] = k[0]  # [N, Hk, D]
-            self.cache.v[layer][sl, :, rows] = v[0]
+        if len(todo) == 1:  # one slot's consecutive rows: written through views, no index tensors
+            s, n = todo[0], feats[0].shape[0]
+            r0 = self.cache.lengths[s]
+            rows = torch.arange(r0, r0 + n, device=self.device)  # [N]
+            for layer, (k, v) in enumerate(self.net.context_kv(self.net.fuse(feats[0][None]), rows[None])):
+                self.cache.k[layer][s, :, r0 : r0 + n] = k[0].transpose(0, 1)  # [Hk, N, D]
+                self.cache.v[layer][s, :, r0 : r0 + n] = v[0].transpose(0, 1)
+        else:
+            sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
+            rows = torch.cat(
+                [self.cache.lengths[s] + torch.arange(f.shape[0]) for s, f in zip(todo, feats, strict=True)]
+            )
+            ctx = self.net.fuse(torch.cat(feats)[None])  # [1, N, d]
+            sl, rows = sl.to(self.device), rows.to(self.device)
+            for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None])):
+                self.cache.k[layer][sl, :, rows] = k[0]  # [N, Hk, D]
+                self.cache.v[layer][sl, :, rows] = v[0]
         for s, f in zip(todo, feats, strict=True):
             self.cache.commit(s, f.shape[0])
             self._pending[s] = []
@@ -202,23 +210,16 @@ class DFlashDrafter(Drafter):
             return empty_proposal(len(batch))
         num = [min(num_draft[b], self.net.cfg.num_drafts) for b in idx]
         states = self._block_states(batch, idx)
-        ids, q, num, extras = self._draft(batch, idx, states, num)
-        K = ids.shape[1]
-        sel = torch.tensor(idx)
-        draft_ids = torch.zeros(len(batch), K, dtype=torch.long)
-        draft_ids[sel] = ids
-        draft_probs = None  # greedy rounds: point masses
-        if q is not None:
-            draft_probs = torch.zeros(len(batch), K, self.vocab_rows)
-            draft_probs[sel] = self.vocab.to_full(q.float()).cpu()  # the verifier's vocabulary
-        n = torch.zeros(len(batch), dtype=torch.long)
-        n[sel] = torch.tensor(num)
-        for key, val in extras.items():  # per-request extras ([B', K]) -> [B, K]
-            full = torch.zeros(len(batch), K, dtype=val.dtype)
-            full[sel] = val.cpu()
-            extras[key] = full
+        ids, q, num, extras = self._draft(batch, idx, states, num)  # [B', K] ...
+        draft_probs = None if q is None else self.vocab.to_full(q.float()).cpu()  # [B', K, V] or None
+        n = torch.tensor(num)
+        if len(idx) < len(batch):  # rows of the requests that draft -> rows of the whole batch
+            sel = torch.tensor(idx)
+            ids, n = _scatter_rows(ids, sel, len(batch)), _scatter_rows(n, sel, len(batch))
+            draft_probs = None if draft_probs is None else _scatter_rows(draft_probs, sel, len(batch))
+            extras = {key: _scatter_rows(val.cpu(), sel, len(batch)) for key, val in extras.items()}
         return Proposal(
-            draft_ids=draft_ids, num_draft=n, draft_probs=draft_probs, extras=extras, catch_up_s=catch_up_s
+            draft_ids=ids, num_draft=n, draft_probs=draft_probs, extras=extras, catch_up_s=catch_up_s
         )
 
     # ---- advance --------------------------------------------------------------------------
@@ -228,3 +229,10 @@ class DFlashDrafter(Drafter):
             feats = self._features(target_out.hidden, b, kept)
             if feats is not None:
                 self._pending.setdefault(row.slot, []).append(feats)
+
+
+def _scatter_rows(x: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
+    """x [B', ...] -> [B, ...]: x's rows at `sel`, zeros elsewhere."""
+    out = x.new_zeros(B, *x.shape[1:])
+    out[sel] = x
+    return out

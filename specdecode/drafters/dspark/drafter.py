@@ -84,18 +84,13 @@ class DSparkDrafter(DFlashDrafter):
         z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
         prev = self.t2d[torch.tensor([batch[b].token_ids[-1] for b in idx], device=self.device)]  # [B']
-        # Drafts and confidences stay on the device; the host reads them once at the end (and
-        # per slot only when a threshold has to be checked).
-        ids = torch.zeros(n, K, dtype=torch.long, device=self.device)  # draft ids
-        q = None if greedy else torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
-        prevs = torch.zeros(n, K, dtype=torch.long, device=self.device)  # x_{k-1} per slot
-        survival = torch.ones(n, device=self.device)
         chain = greedy and self.threshold is None and self._chain_op(U)
         # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
         # with the uniforms the loop below would draw (per request, position by position).
         p0 = params[0]
         plain = all(p == p0 for p in params) and plain_temperature(p0, U.shape[-1])
         sampled = not greedy and self.threshold is None and plain and self._chain_op(U, sampled=True)
+        q = None
         if chain:  # the whole greedy pass in one call, the loop's arithmetic
             ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]
         elif sampled:
@@ -103,7 +98,14 @@ class DSparkDrafter(DFlashDrafter):
             ids, q = sampled(U, self.markov, prev, self.vocab.off, u, p0.temperature)  # [B', K], [B', K, Vd]
         compiled = bool(chain or sampled)
         if compiled:
-            prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)
+            prevs = torch.cat([prev[:, None], ids[:, :-1]], dim=1)  # [B', K] x_{k-1} per slot
+        else:
+            # Drafts and confidences stay on the device; the host reads them once at the end
+            # (and per slot only when a threshold has to be checked).
+            ids = torch.zeros(n, K, dtype=torch.long, device=self.device)  # draft ids
+            q = None if greedy else torch.zeros(n, K, U.shape[-1], device=self.device)  # [B', K, Vd]
+            prevs = torch.zeros(n, K, dtype=torch.long, device=self.device)  # x_{k-1} per slot
+            survival = torch.ones(n, device=self.device)
         for j in range(0 if compiled else K):
             prevs[:, j] = prev
             if self.threshold is not None:  # confidences now; without a threshold, after the loop

@@ -522,6 +522,34 @@ const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::
 // The first index of the largest x[v] over the v not `off` (torch.argmax's choice, NaN largest);
 // 0 when every v is off. Shared with layer.cpp's eagle_chain.
 int64_t first_argmax(const float* x, int64_t V, const bool* off) {
+  if (off == nullptr) {  // 8 lanes at a time: the maximum (any NaN noted), then its first index
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 nan = _mm256_setzero_ps();
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + v);
+      vmax = _mm256_max_ps(vmax, xv);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+    }
+    float mx = hmax(vmax);
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t t = v; t < V; ++t) {
+      any_nan = any_nan || std::isnan(x[t]);
+      mx = std::max(mx, x[t]);
+    }
+    if (any_nan) {  // torch.argmax takes the first NaN
+      for (int64_t t = 0; t < V; ++t)
+        if (std::isnan(x[t])) return t;
+    }
+    const __m256 vm = _mm256_set1_ps(mx);
+    for (v = 0; v + 8 <= V; v += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), vm, _CMP_EQ_OQ));
+      if (hit != 0) return v + __builtin_ctz(static_cast<unsigned>(hit));
+    }
+    for (; v < V; ++v)
+      if (x[v] == mx) return v;
+    return 0;
+  }
   int64_t arg = -1;
   float best = 0.f;
   for (int64_t v = 0; v < V; ++v) {
