@@ -98,6 +98,15 @@ def add_parsers(sub) -> None:
             m.add_argument(
                 flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=_per_method(dest)
             )
+        elif dest == "train_only":
+            m.add_argument(
+                flag,
+                dest=dest,
+                choices=["confidence"],
+                default=None,
+                help="dspark: train the confidence head alone, the other weights as --init-from gives them "
+                "(e.g. on answers regenerated at the temperature it will serve at)",
+            )
         else:
             m.add_argument(flag, dest=dest, type=kind, default=None, help=_per_method(dest))
     m.add_argument(
@@ -166,6 +175,7 @@ _TASK_FLAGS = (
     ("--markov-rank", "markov_rank", int),
     ("--qk-norm", "qk_norm", bool),  # dflash/dspark: per-head q/k RMSNorm (exportable, see export)
     ("--mask-token-id", "mask_token_id", mask_token_arg),  # dflash/dspark: mask slots read its embedding
+    ("--train-only", "train_only", str),  # dspark: "confidence" trains the confidence head alone
 )
 
 

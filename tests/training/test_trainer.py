@@ -226,3 +226,20 @@ def test_training_data_from_several_regen_directories(data, tmp_path):
         load_sequences(f"{regen},{other}", "train", 512, target.fingerprint)
     with pytest.raises(SpecDecodeError, match="no regenerated data directory"):
         load_sequences(" , ", "train", 512, target.fingerprint)
+
+
+def test_dspark_can_train_its_confidence_head_alone(data, tmp_path):
+    """`--train-only confidence` from a trained DSpark: the confidence head's weights move, every
+    other tensor of the checkpoint stays bit for bit what it started from; other values are refused."""
+    target, regen = data
+    kw = {"draft_vocab_size": 128, "num_layers": 1, "block_size": 4, "num_anchors": 4}
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_training("dspark", target, regen, first, cfg(first, steps=2), kw, progress=False)
+    only = {**kw, "train_only": "confidence"}
+    run_training("dspark", target, regen, second, cfg(second, steps=3), only, progress=False, init_from=first)
+    before, after = weights(first), weights(second)
+    moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert moved == ["conf.bias", "conf.weight"]
+    seqs = load_sequences(regen, "train", 512, target.fingerprint)
+    with pytest.raises(SpecDecodeError, match="--train-only"):
+        make_task("dspark", target, seqs, tmp_path, cfg(tmp_path), {**kw, "train_only": "markov"})

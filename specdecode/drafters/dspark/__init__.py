@@ -47,6 +47,7 @@ METHOD = Method(
         "num_anchors": 32,
         "markov_rank": 256,
         "qk_norm": True,
+        "train_only": None,
         "mask_token_id": "auto",
     },
     options=("confidence_threshold", "threshold_on"),

@@ -2,7 +2,11 @@
 heads, and the distribution-matching loss (needs the target's final normed state for p_t).
 
 Contract: `DSparkTask(target, seqs, num_layers, block_size, draft_vocab_size, num_anchors,
-markov_rank)`; `make_drafter()` returns a `DSparkDrafter` over the current weights. The loss gets
+markov_rank, train_only=None)`; `make_drafter()` returns a `DSparkDrafter` over the current weights.
+`train_only="confidence"` (`train dspark --train-only confidence`, with `--init-from` a trained
+drafter) leaves every weight but the confidence head's without gradient: the head alone learns,
+e.g. on answers regenerated at the temperature it will serve at (its acceptance labels depend on
+the contexts it sees). The loss gets
 p_t over the full vocabulary: the draft-vocabulary logits plus the log-sum-exp of all the
 target's logits, both from one product of the target's own head (its measured formats) per row
 chunk, once per distinct row (the blocks of nearby anchors overlap).
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from specdecode.drafters.dflash.model import slot_accuracy, to_draft_ids
 from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark
+from specdecode.errors import SpecDecodeError
 from specdecode.models.base import FINAL_NORM
 from specdecode.training.methods.dflash import DFlashLoss, DFlashTask
 
@@ -106,14 +111,26 @@ def target_on_draft_vocab(
     return torch.cat([z[:, d2t] for z in parts]), torch.cat([torch.logsumexp(z, dim=-1) for z in parts])
 
 
+TRAIN_ONLY = (None, "confidence")  # train_only: every weight, or the confidence head alone
+
+
 class DSparkTask(DFlashTask):
     method = "dspark"
     layout = "dspark"
     loss_cls = DSparkLoss
 
-    def __init__(self, target, seqs, block_size: int = 7, markov_rank: int = 256, **kw):
+    def __init__(
+        self, target, seqs, block_size: int = 7, markov_rank: int = 256, train_only: str | None = None, **kw
+    ):
         super().__init__(target, seqs, block_size=block_size, markov_rank=markov_rank, **kw)
         self.feature_layers = (*self.feature_layers, FINAL_NORM)
+        if train_only not in TRAIN_ONLY:
+            raise SpecDecodeError(
+                f"--train-only must be one of {', '.join(map(str, TRAIN_ONLY))}, got {train_only!r}"
+            )
+        if train_only == "confidence":  # the rest stays as warm-started: no gradient, no update
+            for name, p in self.net.named_parameters():
+                p.requires_grad_(name.startswith("conf."))
 
     def make_net(self, cfg) -> DSpark:
         return DSpark(cfg)
