@@ -16,6 +16,14 @@ Contract:
   alone cannot move a logit's sign; an over-fitted head is over-confident everywhere).
 - `survival(z, temps)` -> a [N, K]; `report(z, drafted, accepted, temps)` -> per-position
   {n, rate, ece, ece_floor, auroc}.
+- `offline_calibration(task, target, seqs, tokens_per_batch, max_batches)`: the raw confidence
+  head teacher-forced on regenerated answers (a DSpark training task holding the drafter's
+  weights, `DSparkLoss.terms`): per position {n, confidence (mean sigmoid of the logit), label
+  (mean 1 - TV(p_d, p_t), the acceptance probability the head is trained to predict), ece (of
+  the confidence against that soft label, equal-width bins)}. The soft label has no sampling
+  noise, so this ECE separates the head's own calibration on those contexts from the served
+  rounds' floor; run it on answers sampled at two temperatures to see what the contexts do.
+  The blocks' anchors come from seed 0 (the global RNG is left as it was).
 - `collect(target, drafter, prompts, ...)`: runs real speculative decoding (fixed K = the
   drafter's block, temperatures set to 1 while recording) and returns, per round and request,
   the raw confidence logits of the drafted positions and the number of drafts accepted.
@@ -50,6 +58,8 @@ from specdecode.drafters.dspark import load_dspark
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
+from specdecode.training.data import collate, plan_batches
+from specdecode.training.features import TargetFeatures
 from specdecode.training.regen import META, prompt_ids, read_prompts, read_regen
 
 DEFAULT_GRID = tuple(round(math.exp(x / 20), 4) for x in range(-46, 47))  # 0.1 .. 10, log-spaced
@@ -136,6 +146,43 @@ def report(z, drafted, accepted, temps, biases=None, bins: int = 20) -> list[dic
                 "ece": ece(a[m, k], y[m, k], bins),
                 "ece_floor": ece_floor(a[m, k], bins),
                 "auroc": auroc(a[m, k], y[m, k]),
+            }
+        )
+    return rows
+
+
+def offline_calibration(
+    task, target, seqs, tokens_per_batch: int = 4096, max_batches: int = 40, bins: int = 20
+):
+    """-> [{position, n, confidence, label, ece}] per draft position (see the module contract)."""
+    features = TargetFeatures(target, task.feature_layers)
+    lengths = [len(s.input_ids) for s in seqs]
+    zs, labels_, weights = [], [], []
+    was_training = task.module.training
+    task.module.eval()
+    try:  # the blocks' anchors are drawn from a fixed seed, away from the global RNG
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(0)
+            for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
+                batch = collate([seqs[j] for j in idx])
+                t = task.module.terms(batch, features(batch))
+                zs.append(t["c_logit"].flatten(0, 1))  # [S * A, K]
+                labels_.append(t["acc_target"].flatten(0, 1))
+                weights.append(t["weight"].flatten(0, 1))
+    finally:
+        task.module.train(was_training)
+    z, y, w = torch.cat(zs), torch.cat(labels_), torch.cat(weights)
+    rows = []
+    for k in range(z.shape[1]):
+        m = w[:, k] > 0
+        c, yk = torch.sigmoid(z[m, k].double()), y[m, k].double()
+        rows.append(
+            {
+                "position": k + 1,
+                "n": int(m.sum()),
+                "confidence": float(c.mean()),
+                "label": float(yk.mean()),
+                "ece": ece(c, yk, bins),
             }
         )
     return rows

@@ -6,12 +6,16 @@ markov_rank, train_only=None)`; `make_drafter()` returns a `DSparkDrafter` over 
 `train_only="confidence"` (`train dspark --train-only confidence`, with `--init-from` a trained
 drafter) leaves every weight but the confidence head's without gradient: the head alone learns,
 e.g. on answers regenerated at the temperature it will serve at (its acceptance labels depend on
-the contexts it sees). The loss gets
-p_t over the full vocabulary: the draft-vocabulary logits plus the log-sum-exp of all the
-target's logits, both from one product of the target's own head (its measured formats) per row
-chunk, once per distinct row (the blocks of nearby anchors overlap).
+the contexts it sees). The loss gets p_t over the full vocabulary: the draft-vocabulary logits
+plus the log-sum-exp of all the target's logits, both from one product of the target's own head
+(its measured formats) per row chunk, once per distinct row (the blocks of nearby anchors
+overlap). `DSparkLoss.terms(batch, feats)` gives the loss's per-label quantities
+(`dspark_terms`) instead of the loss: the confidence logits beside their labels, for an offline
+calibration check (training/calibrate.py, `offline_calibration`).
 
 The loss:
+- `dspark_terms(...)` -> the per-label quantities below (logits, labels, CE, L1, the confidence
+  logit and its label, the weights); `dspark_loss(...)` combines them:
 - `dspark_loss(net, head_w, t2d, packed, target_logits, target_lse)`: with p_d = softmax of the
   teacher-forced Markov logits and p_t = the target's next-token distribution at the aligned
   position (T = 1), every term weighted exp(-(k-1)/4) and normalised by the weight sum:
@@ -36,22 +40,23 @@ from specdecode.models.base import FINAL_NORM
 from specdecode.training.methods.dflash import DFlashLoss, DFlashTask
 
 
-def dspark_loss(
+def dspark_terms(
     net: DSpark,
     head_w,
     t2d,
     packed: dict,
     target_logits: torch.Tensor,
     target_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """packed: from `block_batch`; target_logits [S, A, K, Vd]: the target at label_pos - 1 on the
-    draft vocabulary; target_lse [S, A, K]: log-sum-exp of its full-vocabulary logits there."""
+) -> dict:
+    """The loss's per-label quantities ([S, A, K] each unless noted): `logits` [S, A, K, Vd] (the
+    teacher-forced Markov logits), `y` the draft-vocabulary labels, `ce`, `l1` (= 2 TV over the
+    full vocabulary), `c_logit` the confidence head's logit and `acc_target` its label
+    1 - TV(p_d, p_t) (detached), `weight` the position weights (0: no label)."""
     h = packed["states"]  # [S, A, K, d]
     prev = to_draft_ids(packed["prev"], t2d)  # teacher forcing: the real token before each label
     logits = net.markov_logits(net.logits(h, head_w).float(), prev)  # [S, A, K, Vd]
     y = to_draft_ids(packed["labels"], t2d)
     Vd = logits.shape[-1]
-    w = packed["weight"]
     logp_d = torch.log_softmax(logits, dim=-1)
     p_d = logp_d.exp()
     if target_lse is None:
@@ -64,11 +69,34 @@ def dspark_loss(
     l1 = (p_d - p_t).abs().sum(-1) + off  # [S, A, K] = 2 TV over the full vocabulary
     c_logit = net.confidence_logit(h.float(), prev)
     acc_target = (1 - 0.5 * l1).detach().clamp(0.0, 1.0)
-    bce = F.binary_cross_entropy_with_logits(c_logit, acc_target, reduction="none")
+    return {
+        "logits": logits,
+        "y": y,
+        "ce": ce,
+        "l1": l1,
+        "c_logit": c_logit,
+        "acc_target": acc_target,
+        "weight": packed["weight"],
+    }
+
+
+def dspark_loss(
+    net: DSpark,
+    head_w,
+    t2d,
+    packed: dict,
+    target_logits: torch.Tensor,
+    target_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """packed: from `block_batch`; target_logits [S, A, K, Vd]: the target at label_pos - 1 on the
+    draft vocabulary; target_lse [S, A, K]: log-sum-exp of its full-vocabulary logits there."""
+    t = dspark_terms(net, head_w, t2d, packed, target_logits, target_lse)
+    w, acc_target = t["weight"], t["acc_target"]
+    bce = F.binary_cross_entropy_with_logits(t["c_logit"], acc_target, reduction="none")
     norm = w.sum().clamp(min=1e-6)
-    parts = {k: (v * w).sum() / norm for k, v in (("ce", ce), ("l1", l1), ("bce", bce))}
+    parts = {k: (v * w).sum() / norm for k, v in (("ce", t["ce"]), ("l1", t["l1"]), ("bce", bce))}
     loss = 0.1 * parts["ce"] + 0.9 * parts["l1"] + 1.0 * parts["bce"]
-    logs = {f"loss_{k}": float(v.detach()) for k, v in parts.items()} | slot_accuracy(logits, y, w)
+    logs = {f"loss_{k}": float(v.detach()) for k, v in parts.items()} | slot_accuracy(t["logits"], t["y"], w)
     with torch.no_grad():
         m = (w > 0).float()
         exp_acc = (acc_target * m).sum((0, 1)) / m.sum((0, 1)).clamp(min=1)
@@ -80,6 +108,13 @@ def dspark_loss(
 
 class DSparkLoss(DFlashLoss):
     def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
+        return dspark_loss(*self._inputs(batch, feats))
+
+    def terms(self, batch: dict, feats: dict) -> dict:
+        """`dspark_terms` of a batch (what the loss reads; offline evaluation of the heads)."""
+        return dspark_terms(*self._inputs(batch, feats))
+
+    def _inputs(self, batch: dict, feats: dict) -> tuple:
         target, head_w, t2d = self._frozen
         dev = batch["input_ids"].device
         packed = self.pack(batch, feats)
@@ -94,7 +129,7 @@ class DSparkLoss(DFlashLoss):
                 final.reshape(S * T, -1)[uniq], target.model.lm_head, self.net.d2t
             )
             tgt = logits_d[inv].view(S, A, K, -1)  # [S, A, K, Vd]
-        return dspark_loss(self.net, head_w.to(dev), t2d, packed, tgt, lse[inv].view(S, A, K))
+        return self.net, head_w.to(dev), t2d, packed, tgt, lse[inv].view(S, A, K)
 
 
 def target_on_draft_vocab(
