@@ -168,3 +168,14 @@ def test_demo_compares_ar_with_the_method_asked_for(capsys, tiny_llama_dir):
     assert "Overall: ngram tau" in out and "identical greedy output on" in out
     code, _, err = _run(capsys, "demo", "--target", str(tiny_llama_dir), "--method", "ngram-table")
     assert code == 2 and "ngram-table" in err  # no table ships for this model: says what to do
+
+
+@pytest.mark.parametrize("method", ["eagle", "dspark,eagle"])
+def test_train_only_is_refused_where_no_method_takes_it(capsys, tmp_path, tiny_llama_dir, method):
+    """--train-only retrains a part only DSpark has: another method, or several side by side, would
+    silently train everything."""
+    code, _, err = _run(
+        capsys, "train", method, "--target", str(tiny_llama_dir), "--data", str(tmp_path),
+        "--out", str(tmp_path / "out"), "--train-only", "confidence",
+    )  # fmt: skip
+    assert code == 2 and "--train-only applies to dspark trained alone" in err and "Traceback" not in err

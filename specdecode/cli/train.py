@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specdecode.cli import options
 from specdecode.drafters import REGISTRY
+from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
@@ -179,6 +180,9 @@ _TASK_FLAGS = (
 )
 
 
+_NONE = argparse.Namespace(train_options={})  # a method without a training task takes no option
+
+
 def _per_method(dest: str) -> str:
     return "; ".join(f"{m.name}: {m.train_options[dest]}" for m in REGISTRY if dest in m.train_options)
 
@@ -223,6 +227,11 @@ def train(a: argparse.Namespace) -> None:
     )
     methods = split_methods(a.method)
     many = len(methods) > 1
+    if a.train_only is not None and (
+        many or "train_only" not in (trainable(methods[0]) or _NONE).train_options
+    ):
+        takers = ", ".join(m.name for m in REGISTRY if "train_only" in m.train_options)
+        raise SpecDecodeError(f"--train-only applies to {takers} trained alone, not to {a.method}")
     if a.offline_vs_served:
         for m in methods:
             run_dir = Path(a.out) / m if many else Path(a.out)

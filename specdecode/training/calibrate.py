@@ -23,7 +23,8 @@ Contract:
   the confidence against that soft label, equal-width bins)}. The soft label has no sampling
   noise, so this ECE separates the head's own calibration on those contexts from the served
   rounds' floor; run it on answers sampled at two temperatures to see what the contexts do.
-  The blocks' anchors come from seed 0 (the global RNG is left as it was).
+  The blocks' anchors come from seed 0 (the global RNG is left as it was); a position without
+  labels reads NaN.
 - `collect(target, drafter, prompts, ...)`: runs real speculative decoding (fixed K = the
   drafter's block, temperatures set to 1 while recording) and returns, per round and request,
   the raw confidence logits of the drafted positions and the number of drafts accepted.
@@ -163,9 +164,11 @@ def offline_calibration(
     try:  # the blocks' anchors are drawn from a fixed seed, away from the global RNG
         with torch.no_grad(), torch.random.fork_rng():
             torch.manual_seed(0)
+            dev = next(task.module.parameters()).device
             for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
                 batch = collate([seqs[j] for j in idx])
-                t = task.module.terms(batch, features(batch))
+                feats = {k: v.to(dev) for k, v in features(batch).items()}  # as the trainer moves them
+                t = task.module.terms({k: v.to(dev) for k, v in batch.items()}, feats)
                 zs.append(t["c_logit"].flatten(0, 1))  # [S * A, K]
                 labels_.append(t["acc_target"].flatten(0, 1))
                 weights.append(t["weight"].flatten(0, 1))

@@ -100,6 +100,8 @@ def warm_start(task, path, arch: dict, state: dict) -> None:
         for k, t in own.items():
             t.copy_(state[k])
     task.init_from = str(path)
+    if hasattr(task, "after_warm_start"):  # e.g. DSpark: its new head needs a new calibration
+        task.after_warm_start()
 
 
 def split_methods(method) -> list[str]:
@@ -153,6 +155,11 @@ def run_training(
             init = Path(init_from) / m if many else Path(init_from)
             arch, state = load_checkpoint(init, m, target)  # another method or target is refused
             kw = with_vocabulary(kw, state)
+        if (kw or {}).get("train_only") and init is None and resumed is None:
+            raise SpecDecodeError(
+                f"--train-only {kw['train_only']} retrains part of a trained {m} drafter: "
+                "give that drafter with --init-from DIR"
+            )
         task = make_task(m, target, seqs, m_cfg.out_dir, m_cfg, kw, feature_cache)
         if init is not None:
             warm_start(task, init, arch, state)

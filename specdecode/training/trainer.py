@@ -14,9 +14,10 @@ Contract:
   `min_lr_ratio`, gradient clipping, optional bf16 autocast, gradient accumulation. Every
   `checkpoint_every` steps (and at the end) it writes the drafter checkpoint (config.json +
   model.safetensors, loadable by the drafter) and `trainer.pt` (fp32 weights, optimiser,
-  step, RNG) atomically (also at `stop_at` or past `time_limit_s`, as if killed there); a rerun
-  with the same out_dir resumes from `trainer.pt` and walks the
-  same batches the killed run would have. Every `eval_every` steps it runs the real
+  step, RNG, the names of the trained parameters) atomically (also at `stop_at` or past
+  `time_limit_s`, as if killed there); a rerun with the same out_dir resumes from `trainer.pt`
+  and walks the same batches the killed run would have (one that would train other parameters,
+  e.g. another `--train-only`, is refused). Every `eval_every` steps it runs the real
   speculative loop (greedy, fixed K) on held-out prompts and logs the served tau. Metrics
   (losses, accuracies, gradient norm, training tokens/s over all ranks) go to
   out_dir/log.jsonl and the progress bar.
@@ -408,6 +409,7 @@ class _Session:
                 "step": r.step,
                 "wall": r.wall,
                 "rng": torch.get_rng_state(),
+                "trainable": _trainable(r.task.module),
             },
             r.out / STATE,
         )
@@ -432,6 +434,11 @@ def _served(ev: dict) -> str:
     return f"served tau {ev['eval_tau']} acceptance {ev['eval_acceptance']}"
 
 
+def _trainable(module) -> list[str]:
+    """The names of the parameters a run trains (a resume must train the same)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
 def _start_run(task: TrainTask, cfg: TrainConfig, rank: int, world: int) -> _Run:
     """A run's optimiser over its task's parameters, resumed from `trainer.pt` when out_dir has one."""
     out = Path(cfg.out_dir)
@@ -445,6 +452,13 @@ def _start_run(task: TrainTask, cfg: TrainConfig, rank: int, world: int) -> _Run
     run = _Run(task, cfg, out, model, params, opt)
     st = read_state(out, task.method)
     if st is not None:
+        trained = st.get("trainable")
+        if trained is not None and trained != _trainable(module):
+            raise SpecDecodeError(
+                f"{out / STATE} trained other weights than this run would ({len(trained)} tensors, here "
+                f"{len(_trainable(module))}): resume with the options it was started with "
+                "(e.g. --train-only), or train into a new --out"
+            )
         module.load_state_dict(st["module"])
         opt.load_state_dict(st["optimizer"])
         run.step, run.wall = st["step"], st["wall"]

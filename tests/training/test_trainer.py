@@ -229,17 +229,33 @@ def test_training_data_from_several_regen_directories(data, tmp_path):
 
 
 def test_dspark_can_train_its_confidence_head_alone(data, tmp_path):
-    """`--train-only confidence` from a trained DSpark: the confidence head's weights move, every
-    other tensor of the checkpoint stays bit for bit what it started from; other values are refused."""
+    """`--train-only confidence` from a trained DSpark: the confidence head's weights move, the STS
+    temperatures of the old head go back to 1 (calibrate the new one), every other tensor stays
+    bit for bit what it started from, and the card says what was trained. Refused: other values,
+    no --init-from, a resume that would train other weights."""
+    from safetensors.torch import save_file
+
     target, regen = data
     kw = {"draft_vocab_size": 128, "num_layers": 1, "block_size": 4, "num_anchors": 4}
     first, second = tmp_path / "first", tmp_path / "second"
     run_training("dspark", target, regen, first, cfg(first, steps=2), kw, progress=False)
+    calibrated = weights(first) | {"sts_temperature": torch.full((4,), 2.0, dtype=torch.bfloat16)}
+    save_file(calibrated, str(first / "model.safetensors"))  # as `specdecode calibrate` leaves it
     only = {**kw, "train_only": "confidence"}
     run_training("dspark", target, regen, second, cfg(second, steps=3), only, progress=False, init_from=first)
     before, after = weights(first), weights(second)
     moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    assert moved == ["conf.bias", "conf.weight"]
+    assert moved == ["conf.bias", "conf.weight", "sts_temperature"]
+    assert torch.equal(after["sts_temperature"].float(), torch.ones(4))
+    assert json.loads((second / "config.json").read_text())["training"]["train_only"] == "confidence"
     seqs = load_sequences(regen, "train", 512, target.fingerprint)
     with pytest.raises(SpecDecodeError, match="--train-only"):
         make_task("dspark", target, seqs, tmp_path, cfg(tmp_path), {**kw, "train_only": "markov"})
+    with pytest.raises(SpecDecodeError, match="--init-from"):
+        run_training("dspark", target, regen, tmp_path / "x", cfg(tmp_path / "x"), only, progress=False)
+    stopped = tmp_path / "stopped"  # a run stopped after its first step, resumed without the option
+    run_training(
+        "dspark", target, regen, stopped, cfg(stopped, stop_at=1), only, progress=False, init_from=first
+    )
+    with pytest.raises(SpecDecodeError, match="resume with the options"):
+        run_training("dspark", target, regen, stopped, cfg(stopped), kw, progress=False)

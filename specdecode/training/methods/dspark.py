@@ -6,12 +6,14 @@ markov_rank, train_only=None)`; `make_drafter()` returns a `DSparkDrafter` over 
 `train_only="confidence"` (`train dspark --train-only confidence`, with `--init-from` a trained
 drafter) leaves every weight but the confidence head's without gradient: the head alone learns,
 e.g. on answers regenerated at the temperature it will serve at (its acceptance labels depend on
-the contexts it sees). The loss gets p_t over the full vocabulary: the draft-vocabulary logits
-plus the log-sum-exp of all the target's logits, both from one product of the target's own head
-(its measured formats) per row chunk, once per distinct row (the blocks of nearby anchors
-overlap). `DSparkLoss.terms(batch, feats)` gives the loss's per-label quantities
-(`dspark_terms`) instead of the loss: the confidence logits beside their labels, for an offline
-calibration check (training/calibrate.py, `offline_calibration`).
+the contexts it sees); the checkpoint's training record says so (`train_only`). A warm start
+(`after_warm_start`) resets the STS temperatures and bias: they belonged to the old head.
+The loss gets p_t over the full vocabulary: the draft-vocabulary logits plus the log-sum-exp of
+all the target's logits, both from one product of the target's own head (its measured formats)
+per row chunk, once per distinct row (the blocks of nearby anchors overlap).
+`DSparkLoss.terms(batch, feats)` gives the loss's per-label quantities (`dspark_terms`) instead
+of the loss: the confidence logits beside their labels, for an offline calibration check
+(training/calibrate.py, `offline_calibration`).
 
 The loss:
 - `dspark_terms(...)` -> the per-label quantities below (logits, labels, CE, L1, the confidence
@@ -163,9 +165,20 @@ class DSparkTask(DFlashTask):
             raise SpecDecodeError(
                 f"--train-only must be one of {', '.join(map(str, TRAIN_ONLY))}, got {train_only!r}"
             )
+        self.train_only = train_only
         if train_only == "confidence":  # the rest stays as warm-started: no gradient, no update
             for name, p in self.net.named_parameters():
                 p.requires_grad_(name.startswith("conf."))
+
+    def after_warm_start(self) -> None:
+        """The STS temperatures (and bias) of the checkpoint started from were fitted to its head,
+        which this run retrains: back to the uncalibrated ones (`specdecode calibrate` the result)."""
+        with torch.no_grad():
+            self.net.sts_temperature.fill_(1.0)
+            self.net.sts_bias.fill_(0.0)
+
+    def training_meta(self) -> dict:
+        return {"train_only": self.train_only} if self.train_only else {}
 
     def make_net(self, cfg) -> DSpark:
         return DSpark(cfg)
