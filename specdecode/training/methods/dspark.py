@@ -16,9 +16,9 @@ of the loss: the confidence logits beside their labels, for an offline calibrati
 (training/calibrate.py, `offline_calibration`).
 
 The loss:
-- `dspark_terms(...)` -> the per-label quantities below (logits, labels, CE, L1, the confidence
-  logit and its label, the weights); `dspark_loss(...)` combines them:
-- `dspark_loss(net, head_w, t2d, packed, target_logits, target_lse)`: with p_d = softmax of the
+- `dspark_terms(net, head_w, t2d, packed, target_logits, target_lse)` -> the per-label
+  quantities below (logits, labels, CE, L1, the confidence logit and its label, the weights);
+  `dspark_loss(terms)` combines them: with p_d = softmax of the
   teacher-forced Markov logits and p_t = the target's next-token distribution at the aligned
   position (T = 1), every term weighted exp(-(k-1)/4) and normalised by the weight sum:
   0.1 CE(p_d, x*) + 0.9 sum|p_d - p_t| + 1.0 BCE(c_k, 1 - sum|p_d - p_t| / 2), target detached.
@@ -82,17 +82,11 @@ def dspark_terms(
     }
 
 
-def dspark_loss(
-    net: DSpark,
-    head_w,
-    t2d,
-    packed: dict,
-    target_logits: torch.Tensor,
-    target_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """packed: from `block_batch`; target_logits [S, A, K, Vd]: the target at label_pos - 1 on the
-    draft vocabulary; target_lse [S, A, K]: log-sum-exp of its full-vocabulary logits there."""
-    t = dspark_terms(net, head_w, t2d, packed, target_logits, target_lse)
+def dspark_loss(t: dict) -> tuple[torch.Tensor, dict]:
+    """The loss and its logs from `dspark_terms(net, head_w, t2d, packed, target_logits,
+    target_lse)` (packed: from `block_batch`; target_logits [S, A, K, Vd]: the target at
+    label_pos - 1 on the draft vocabulary; target_lse [S, A, K]: log-sum-exp of its
+    full-vocabulary logits there)."""
     w, acc_target = t["weight"], t["acc_target"]
     bce = F.binary_cross_entropy_with_logits(t["c_logit"], acc_target, reduction="none")
     norm = w.sum().clamp(min=1e-6)
@@ -110,7 +104,7 @@ def dspark_loss(
 
 class DSparkLoss(DFlashLoss):
     def forward(self, batch: dict, feats: dict) -> tuple[torch.Tensor, dict]:
-        return dspark_loss(*self._inputs(batch, feats))
+        return dspark_loss(dspark_terms(*self._inputs(batch, feats)))
 
     def terms(self, batch: dict, feats: dict) -> dict:
         """`dspark_terms` of a batch (what the loss reads; offline evaluation of the heads)."""
