@@ -255,7 +255,7 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     vocabulary (the drafter puts no mass outside its vocabulary); without it, p_t is
     renormalised on the draft vocabulary."""
     from specdecode.drafters.dspark.model import DSpark
-    from specdecode.training.methods.dspark import dspark_loss, target_on_draft_vocab
+    from specdecode.training.methods.dspark import dspark_loss, dspark_terms, target_on_draft_vocab
 
     torch.manual_seed(0)
     cfg = DFlashConfig(
@@ -280,7 +280,7 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     tgt, lse = tgt.view(S, A, K, 6), lse.view(S, A, K)
     assert torch.allclose(tgt, (h_t @ head_w.T).view(S, A, K, 6))
     assert torch.allclose(lse, torch.logsumexp(h_t @ head_full.T, -1).view(S, A, K), atol=1e-5)
-    _, logs = dspark_loss(net, head_w, t2d, packed, tgt, lse)
+    _, logs = dspark_loss(dspark_terms(net, head_w, t2d, packed, tgt, lse))
     p_full = torch.softmax(h_t @ head_full.T, -1).view(S, A, K, 10)
     with torch.no_grad():
         p_d = torch.softmax(net.markov_logits(net.logits(states, head_w), t2d[packed["prev"]]), -1)
@@ -289,7 +289,7 @@ def test_dspark_loss_counts_the_target_mass_outside_the_draft_vocabulary():
     tv = 0.5 * (p_d_full - p_full).abs().sum(-1)  # [S, A, K]
     assert logs["accept_0"] == pytest.approx(float(1 - tv[0, 0, 0]), abs=1e-5)
     assert float(p_full[0, 0, 0, 6:].sum()) > 0.05  # the case is not trivial
-    _, renorm = dspark_loss(net, head_w, t2d, packed, tgt)  # renormalised: over-states acceptance
+    _, renorm = dspark_loss(dspark_terms(net, head_w, t2d, packed, tgt))  # renormalised: over-states it
     assert renorm["accept_0"] > logs["accept_0"]
 
 
