@@ -180,9 +180,6 @@ _TASK_FLAGS = (
 )
 
 
-_NONE = argparse.Namespace(train_options={})  # a method without a training task takes no option
-
-
 def _per_method(dest: str) -> str:
     return "; ".join(f"{m.name}: {m.train_options[dest]}" for m in REGISTRY if dest in m.train_options)
 
@@ -227,9 +224,8 @@ def train(a: argparse.Namespace) -> None:
     )
     methods = split_methods(a.method)
     many = len(methods) > 1
-    if a.train_only is not None and (
-        many or "train_only" not in (trainable(methods[0]) or _NONE).train_options
-    ):
+    record = trainable(methods[0])
+    if a.train_only is not None and (many or record is None or "train_only" not in record.train_options):
         takers = ", ".join(m.name for m in REGISTRY if "train_only" in m.train_options)
         raise SpecDecodeError(f"--train-only applies to {takers} trained alone, not to {a.method}")
     if a.offline_vs_served:

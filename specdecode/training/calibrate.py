@@ -59,8 +59,7 @@ from specdecode.drafters.dspark import load_dspark
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.policy import FixedK
-from specdecode.training.data import collate, plan_batches
-from specdecode.training.features import TargetFeatures
+from specdecode.training.features import eval_batches
 from specdecode.training.regen import META, prompt_ids, read_prompts, read_regen
 
 DEFAULT_GRID = tuple(round(math.exp(x / 20), 4) for x in range(-46, 47))  # 0.1 .. 10, log-spaced
@@ -156,24 +155,15 @@ def offline_calibration(
     task, target, seqs, tokens_per_batch: int = 4096, max_batches: int = 40, bins: int = 20
 ):
     """-> [{position, n, confidence, label, ece}] per draft position (see the module contract)."""
-    features = TargetFeatures(target, task.feature_layers)
-    lengths = [len(s.input_ids) for s in seqs]
     zs, labels_, weights = [], [], []
-    was_training = task.module.training
-    task.module.eval()
-    try:  # the blocks' anchors are drawn from a fixed seed, away from the global RNG
-        with torch.no_grad(), torch.random.fork_rng():
-            torch.manual_seed(0)
-            dev = next(task.module.parameters()).device
-            for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
-                batch = collate([seqs[j] for j in idx])
-                feats = {k: v.to(dev) for k, v in features(batch).items()}  # as the trainer moves them
-                t = task.module.terms({k: v.to(dev) for k, v in batch.items()}, feats)
-                zs.append(t["c_logit"].flatten(0, 1))  # [S * A, K]
-                labels_.append(t["acc_target"].flatten(0, 1))
-                weights.append(t["weight"].flatten(0, 1))
-    finally:
-        task.module.train(was_training)
+    # the blocks' anchors are drawn from a fixed seed, away from the global RNG
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        for batch, feats in eval_batches(task, target, seqs, tokens_per_batch, max_batches):
+            t = task.module.terms(batch, feats)
+            zs.append(t["c_logit"].flatten(0, 1))  # [S * A, K]
+            labels_.append(t["acc_target"].flatten(0, 1))
+            weights.append(t["weight"].flatten(0, 1))
     z, y, w = torch.cat(zs), torch.cat(labels_), torch.cat(weights)
     rows = []
     for k in range(z.shape[1]):

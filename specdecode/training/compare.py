@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.training.data import collate, plan_batches
-from specdecode.training.features import TargetFeatures
+from specdecode.training.features import eval_batches
 from specdecode.training.trainer import STATE, evaluate, read_state
 
 POSITION_OFFSET = {"medusa": 1, "mtp": 1, "draft": 1}  # acc_k -> draft position k - offset
@@ -44,24 +43,16 @@ def trained_state(run_dir, method: str) -> dict:
 
 @torch.no_grad()
 def offline_accuracy(task, target, seqs: list, tokens_per_batch: int, max_batches: int) -> dict[int, float]:
-    features = TargetFeatures(target, task.feature_layers) if task.feature_layers else (lambda b: {})
-    lengths = [len(s.input_ids) for s in seqs]
     sums: dict[int, float] = defaultdict(float)
     counts: dict[int, int] = defaultdict(int)
     offset = POSITION_OFFSET.get(task.method, 0)
-    was_training = task.module.training
-    task.module.eval()
-    try:
-        for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
-            batch = collate([seqs[j] for j in idx])
-            _, logs = task.module(batch, features(batch))
-            for key, value in logs.items():
-                if key.startswith("acc_"):
-                    pos = int(key[4:]) - offset
-                    sums[pos] += float(value)
-                    counts[pos] += 1
-    finally:
-        task.module.train(was_training)
+    for batch, feats in eval_batches(task, target, seqs, tokens_per_batch, max_batches):
+        _, logs = task.module(batch, feats)
+        for key, value in logs.items():
+            if key.startswith("acc_"):
+                pos = int(key[4:]) - offset
+                sums[pos] += float(value)
+                counts[pos] += 1
     return {j: sums[j] / counts[j] for j in sorted(sums)}
 
 

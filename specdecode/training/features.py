@@ -9,6 +9,10 @@ Contract:
   then stores each sequence's features (bf16 safetensors shards, written atomically, resumable:
   finished shards are kept); `__call__(batch)` reads them back for a batch (by `batch["index"]`).
   A cache made for another target or data is refused; one holding more layers serves a subset.
+- `eval_batches(task, target, seqs, tokens_per_batch, max_batches)`: the first `max_batches`
+  batches of `seqs` as training cuts them (`plan_batches`, seed 0, epoch 0), each yielded as
+  (batch, features) on the task module's device, with the module in eval mode meanwhile (its
+  mode is restored after): what offline evaluations feed `task.module`.
 Legend: B batch, T rows, d width.
 """
 
@@ -24,9 +28,25 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.training.data import collate
+from specdecode.training.data import collate, plan_batches
 
 SHARD = 64  # sequences per cache shard
+
+
+def eval_batches(task, target, seqs, tokens_per_batch: int, max_batches: int):
+    """Yield (batch, features) for offline evaluation (see the module contract)."""
+    features = TargetFeatures(target, task.feature_layers) if task.feature_layers else (lambda b: {})
+    lengths = [len(s.input_ids) for s in seqs]
+    dev = next(task.module.parameters()).device
+    was_training = task.module.training
+    task.module.eval()
+    try:
+        for idx in plan_batches(lengths, tokens_per_batch, seed=0, epoch=0)[:max_batches]:
+            batch = collate([seqs[j] for j in idx])
+            feats = {k: v.to(dev) for k, v in features(batch).items()}  # as the trainer moves them
+            yield {k: v.to(dev) for k, v in batch.items()}, feats
+    finally:
+        task.module.train(was_training)
 
 
 class TargetFeatures:
