@@ -164,6 +164,7 @@ def test_cli_generate_with_a_trained_drafter_and_clear_errors(
     from specdecode.cli import main
 
     out, _ = trained("eagle")
+    capsys.readouterr()  # what training the fixture printed, when this test is the first to need it
     base = ["generate", "--prompt", "the cat sat", "--max-new-tokens", "12", "--dtype", "fp32", "--json"]
     code = main(
         [
