@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.host_memory import huge_page_empty
 
 
 class CacheState:
@@ -110,10 +111,13 @@ class KVCache(CacheState):
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        # Zeros, not empty: masked rows still enter SDPA's products and must be finite.
-        self.kv = torch.zeros(
-            2, num_layers, num_slots, num_kv_heads, max_len + 1, head_dim, dtype=dtype, device=self.device
-        )  # [2, layers, S, Hk, max_len + 1, D]
+        # Zeros, not empty: masked rows still enter SDPA's products and must be finite. On the CPU
+        # in huge pages where the OS allows (a batched step reads every slot's rows).
+        shape = (2, num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
+        if self.device.type == "cpu":
+            self.kv = huge_page_empty(shape, dtype).zero_()  # [2, layers, S, Hk, max_len + 1, D]
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k = list(self.kv[0].unbind(0))  # layer -> [S, Hk, max_len + 1, D]
         self.v = list(self.kv[1].unbind(0))
 

@@ -41,3 +41,41 @@ def test_kept_heap_faults_fewer_pages_than_glibc_defaults():
     assert tuned["tuned"] is True and default["tuned"] is False
     # each step touches ~36 MB (8,800 pages) of fresh buffers; kept memory is reused
     assert tuned["faults"] * 2 < default["faults"], (tuned, default)
+
+
+def _anon_huge_kb() -> int:
+    for line in open(f"/proc/{os.getpid()}/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0]
+
+
+def test_huge_page_empty_is_empty_of_that_shape_and_dtype():
+    import torch
+
+    t = host_memory.huge_page_empty((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
+
+
+@pytest.mark.skipif(
+    host_memory._libc() is None or _thp_mode() != "madvise" or not os.path.exists("/proc/self/smaps_rollup"),
+    reason="needs glibc and transparent huge pages in madvise mode (only advised memory gets them)",
+)
+def test_huge_page_empty_is_backed_by_huge_pages_when_advised():
+    import torch
+
+    before = _anon_huge_kb()
+    t = host_memory.huge_page_empty((64, 2 << 20), torch.uint8)  # 128 MiB
+    t.fill_(1)  # touch every page
+    gained = _anon_huge_kb() - before
+    # the kernel may decline some blocks (fragmentation); most of them come in 2 MiB pages
+    assert gained >= 64 * 1024, gained
+    assert int(t[-1, -1]) == 1

@@ -361,8 +361,23 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
       //    rows may see is skipped (never read). Every score comes from score8, whatever its
       //    neighbours, so a row's scores do not depend on the other rows of the chunk.
       int64_t last = -1;  // last key any of these rows sees
+      // the next task's keys and values (a batch row's K/V live far apart in the cache): asked
+      // for now, block by block beside this task's, so they arrive while this one computes
+      const bool ahead = task + 1 < b && (task + 1) / chunks != bh;
+      const int64_t nbh = bh + 1, nbi = nbh / Hk, nh = nbh % Hk;
+      const char* nk = reinterpret_cast<const char*>(kp + nbi * kb + nh * kh);
+      const char* nv = reinterpret_cast<const char*>(vp + nbi * vb + nh * vh);
+      const bool* nm = mp ? mp + nbi * mb : nullptr;
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const int64_t jn = std::min<int64_t>(8, L - j0);
+        if (ahead && (!nm || mask_word(nm + j0, jn) != 0)) {
+          for (int64_t t = 0; t < jn; ++t)
+            for (int64_t c = 0; c < row_bytes; c += 64) {
+              _mm_prefetch(nk + (j0 + t) * kl * static_cast<int64_t>(sizeof(T)) + c, _MM_HINT_T1);
+              _mm_prefetch(nv + (j0 + t) * vl * static_cast<int64_t>(sizeof(T)) + c, _MM_HINT_T1);
+            }
+        }
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
