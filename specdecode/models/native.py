@@ -11,7 +11,9 @@ Contract: implements `CausalLM` (models/base.py) exactly as docs/ARCHITECTURE.md
   right-padded; padded tokens produce finite garbage and never leak into valid rows.
 * No host-device synchronisation inside `forward`: the step is planned from host-side ints
   (`cache.lengths`, `slots`, `num_new`: pass lists or CPU tensors). A plain decode step of a
-  contiguous slot range builds no mask and reads the cache through views.
+  contiguous slot range builds no mask and reads the cache through views; other slots are read
+  where they lie too (our kernel takes each row's slot index; SDPA reads the slots' range with
+  dummy query rows for the gaps, or gathers the slots when the range is mostly gaps).
 * GQA by folding the G query heads of a KV head into the query axis (q [B, Hk, G*N, D]), which
   avoids both expanding K/V and the slow `enable_gqa` path of CPU SDPA.
 * On the CPU in fp32 the layer runs on our fused ops (`models/kernels/fused.cpp`: norms, RoPE,
@@ -93,7 +95,7 @@ class _Plan:
     v_all: tuple | None = None
     k_src: tuple | None = None  # layer -> [B, Hk, span, D] view read by attention
     v_src: tuple | None = None
-    k_span: tuple | None = None  # layer -> [S, Hk, span, D], gathered by slot_idx
+    k_span: tuple | None = None  # layer -> [S, Hk, span, D]: read by slot_idx (our kernel) or gathered
     v_span: tuple | None = None
     # Window mode: attention runs over the contiguous slot range [lo, lo + R) read in place
     # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
@@ -474,8 +476,11 @@ class NativeDecoder(nn.Module):
             idx = (plan.slot_idx.unsqueeze(1), plan.rows)
             plan.k_all[i].index_put_(idx, k.to(plan.k_all[i].dtype))
             plan.v_all[i].index_put_(idx, v.to(plan.v_all[i].dtype))
+        by_slot = plan.k_src is None and attend is not _sdpa
         if plan.k_src is not None:
             keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
+        elif by_slot:  # our kernel reads row b's slot slot_idx[b] of the whole cache in place
+            keys, values = plan.k_span[i], plan.v_span[i]  # [S, Hk, span, D]
         else:
             keys = plan.k_span[i].index_select(0, plan.slot_idx)
             values = plan.v_span[i].index_select(0, plan.slot_idx)
@@ -489,7 +494,9 @@ class NativeDecoder(nn.Module):
             q = q.view(B, Hk, G, D)
         else:
             q = q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D)
-        if plan.window is None:
+        if by_slot:
+            o = attend(q, keys, values, plan.mask, plan.slot_idx)  # [B, Hk, G*N, D]
+        elif plan.window is None:
             o = attend(q, keys, values, plan.mask)  # [B, Hk, G*N, D]
         else:  # the slots' range in place: a few dummy queries instead of copying every K/V row
             qw = q.new_zeros(plan.window_size, *q.shape[1:]).index_copy_(0, plan.window, q)  # [R, ..]
@@ -533,9 +540,13 @@ class NativeDecoder(nn.Module):
             full = kv.transpose(-2, -3)  # [2, layers, S, R, Hk, D]
             plan.k_all, plan.v_all = full[0].unbind(0), full[1].unbind(0)
         lo, hi = min(slot_list), max(slot_list)
+        by_slot = self._fused is not None and N <= FUSED_ATTENTION_ROWS  # our kernel reads slots in place
         if contiguous:
             src = kv[:, :, slot_list[0] : slot_list[0] + B, :, :span]  # [2, layers, B, Hk, span, D]
             plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+        elif by_slot:  # each row's own slot read where it lies (no copy, no dummy rows)
+            src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D], read by plan.slot_idx
+            plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
         elif hi - lo + 1 <= WINDOW_FACTOR * B:
             # Reading the slots' range in place (with dummy queries for the gaps) beats copying
             # every row of every layer's K/V (index_select) unless the range is mostly gaps.

@@ -210,6 +210,27 @@ def test_attention_reads_bf16_keys_and_values_exactly(ops, R, D):
         ops.attention(q, k, v.float(), mask)
 
 
+@pytest.mark.parametrize(("R", "dtype"), [(3, torch.float32), (3, torch.bfloat16), (12, torch.float32)])
+def test_attention_reads_each_row_s_own_slot_in_place(ops, R, dtype):
+    """With `slots`, batch row b reads slot slots[b] of the whole cache where it lies: bit for bit
+    what it gives on the gathered copy (any slots, any order); a slot outside the cache is refused."""
+    gen = torch.Generator().manual_seed(6)
+    S, Hk, L, D = 7, 3, 21, 64
+    slots = torch.tensor([5, 0, 3])  # unordered, with gaps
+    B = len(slots)
+    q = torch.randn(B, Hk, R, D, generator=gen)
+    kv = torch.randn(2, S, Hk, L + 3, D, generator=gen).to(dtype)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]  # [S, Hk, L, D] strided views of a cache
+    lens = torch.tensor([21, 4, 13])
+    mask = (torch.arange(L).view(1, L) < lens.view(B, 1)).view(B, 1, 1, L).repeat(1, 1, R, 1)
+    k[0, :, 4:] = float("nan")  # slot 0 (row 1) past its length: never read
+    got = ops.attention(q, k, v, mask, slots)
+    want = ops.attention(q, k.index_select(0, slots), v.index_select(0, slots), mask)
+    assert torch.equal(got, want) and not got.isnan().any()
+    with pytest.raises(RuntimeError, match="outside k's 7 slots"):
+        ops.attention(q, k, v, mask, torch.tensor([5, 0, 7]))
+
+
 @pytest.mark.parametrize("N", [2, 5, 8])
 def test_verify_block_rows_sum_their_shared_prefix_together_exactly(ops, N):
     """A verify block's rows (G query heads x N new tokens) all see the committed prefix and

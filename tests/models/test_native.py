@@ -256,6 +256,11 @@ def test_decode_step_plan_is_lean(tiny_llama_dir):
     plan = model._plan(2, 1, cache, [1, 2], None, None)
     assert plan.mask is None and plan.s0 == 1 and plan.k_dst is not None  # views, no mask
     plan = model._plan(2, 1, cache, [2, 1], None, None)
+    if model._fused is not None:  # our kernel reads each row's slot in place: no copy, no dummy rows
+        assert plan.s0 is None and plan.window is None and plan.slot_idx.tolist() == [2, 1]
+        assert plan.k_span is not None and plan.k_span[0].shape[0] == 4 and plan.mask is None
+        model._fused = None  # the SDPA path (no kernels, CUDA) reads a slot range or gathers
+        plan = model._plan(2, 1, cache, [2, 1], None, None)
     assert plan.s0 is None and plan.window.tolist() == [1, 0] and plan.k_span is None  # read in place
     plan = model._plan(2, 1, model.new_cache(8, 16), [0, 7], None, None)
     assert plan.window is None and plan.k_span is not None  # a range of mostly gaps gathers

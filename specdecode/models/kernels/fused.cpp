@@ -8,10 +8,13 @@
 //   rope_(qkv [M, C], cs [M, 2, D], num_heads)        in place on the first num_heads * D columns:
 //       x * cos + roll(x, D/2) * sin_signed (the table holds cos and the signed sin)
 //   silu_mul(gu [M, 2I])                              -> silu(gu[:, :I]) * gu[:, I:]
-//   attention(q [B, Hk, R, D], k [B|S.., Hk, L, D], v, mask [B|1, 1, R, L] bool | None)
+//   attention(q [B, Hk, R, D], k [B|S.., Hk, L, D], v, mask [B|1, 1, R, L] bool | None,
+//             slots [B] int64 | None)
 //       (k and v fp32, or both bf16: widened exactly to fp32 as they are read)
 //       -> [B, Hk, R, D]: softmax(q k^T / sqrt(D), masked) v; keys no row of a (b, head) may
-//       see are never read, so padding of ragged batches costs nothing.
+//       see are never read, so padding of ragged batches costs nothing. With `slots`, batch
+//       row b reads k[slots[b]] and v[slots[b]] (a whole cache read in place, any slots in any
+//       order); without, k[b].
 //   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
 //       -> [n, K] int64, a greedy chain: x_0 = prev, x_k = argmax_v u[:, k-1, v] + table[x_{k-1}, v]
 //       over the v not `off` (sums in fp32; the first of equal maxima, as torch.argmax)
@@ -334,8 +337,8 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 // The attention kernel over keys and values of type T (float, or bf16 bits as uint16_t).
 template <typename T>
 void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, const bool* mp, int64_t mb,
-                      int64_t B, int64_t Hk, int64_t R, int64_t D, int64_t L, int64_t kb, int64_t kh,
-                      int64_t kl, int64_t vb, int64_t vh, int64_t vl) {
+                      const int64_t* sp, int64_t B, int64_t Hk, int64_t R, int64_t D, int64_t L, int64_t kb,
+                      int64_t kh, int64_t kl, int64_t vb, int64_t vh, int64_t vl) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t Lp = (L + 7) / 8 * 8;        // score rows padded to whole vectors (-inf)
@@ -348,8 +351,9 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
     for (int64_t task = a; task < b; ++task) {
       const int64_t bh = task / chunks, r0 = (task % chunks) * RC, rn = std::min(RC, R - r0);
       const int64_t bi = bh / Hk, h = bh % Hk;
-      const T* kk = kp + bi * kb + h * kh;
-      const T* vv = vp + bi * vb + h * vh;
+      const int64_t si = sp ? sp[bi] : bi;  // the cache slot this batch row reads
+      const T* kk = kp + si * kb + h * kh;
+      const T* vv = vp + si * vb + h * vh;
       const float* qq = qp + (bh * R + r0) * D;
       const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
       for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
@@ -364,9 +368,9 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
       // the next task's keys and values (a batch row's K/V live far apart in the cache): asked
       // for now, block by block beside this task's, so they arrive while this one computes
       const bool ahead = task + 1 < b && (task + 1) / chunks != bh;
-      const int64_t nbh = bh + 1, nbi = nbh / Hk, nh = nbh % Hk;
-      const char* nk = reinterpret_cast<const char*>(kp + nbi * kb + nh * kh);
-      const char* nv = reinterpret_cast<const char*>(vp + nbi * vb + nh * vh);
+      const int64_t nbh = bh + 1, nbi = nbh / Hk, nh = nbh % Hk, nsi = !ahead ? 0 : sp ? sp[nbi] : nbi;
+      const char* nk = reinterpret_cast<const char*>(kp + nsi * kb + nh * kh);
+      const char* nv = reinterpret_cast<const char*>(vp + nsi * vb + nh * vh);
       const bool* nm = mp ? mp + nbi * mb : nullptr;
       const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t j0 = 0; j0 < L; j0 += 8) {
@@ -486,15 +490,28 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask) {
+                        const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots) {
   check_f32(q, "q");
   TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
                   v.scalar_type() == k.scalar_type() && k.device().is_cpu() && v.device().is_cpu(),
               "k and v must be float32 or bfloat16 (both alike) on the CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   const int64_t B = q.size(0), Hk = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
-              "k and v must be [B, Hk, L, D] like q [B, Hk, R, D]");
+  const bool by_slot = slots.has_value() && slots->defined();
+  TORCH_CHECK((by_slot || k.size(0) == B) && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
+              "k and v must be [B, Hk, L, D] (or [S, Hk, L, D] read by slots) like q [B, Hk, R, D]");
+  torch::Tensor sc;
+  const int64_t* sp = nullptr;
+  if (by_slot) {
+    TORCH_CHECK(slots->scalar_type() == torch::kInt64 && slots->dim() == 1 && slots->size(0) == B &&
+                    slots->device().is_cpu(),
+                "slots must be int64 [B] on the CPU");
+    sc = slots->contiguous();
+    sp = sc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < k.size(0), "slots[", b, "] = ", sp[b], " is outside k's ", k.size(0),
+                  " slots");
+  }
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dimension");
   const auto qc = q.contiguous();
   const bool* mp = nullptr;
@@ -515,12 +532,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   if (k.scalar_type() == torch::kFloat32) {
-    attention_kernel<float>(qp, k.data_ptr<float>(), v.data_ptr<float>(), op, mp, mb, B, Hk, R, D, L, kb, kh,
-                            kl, vb, vh, vl);
+    attention_kernel<float>(qp, k.data_ptr<float>(), v.data_ptr<float>(), op, mp, mb, sp, B, Hk, R, D, L, kb,
+                            kh, kl, vb, vh, vl);
   } else {
     const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
     const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-    attention_kernel<uint16_t>(qp, kp, vp, op, mp, mb, B, Hk, R, D, L, kb, kh, kl, vb, vh, vl);
+    attention_kernel<uint16_t>(qp, kp, vp, op, mp, mb, sp, B, Hk, R, D, L, kb, kh, kl, vb, vh, vl);
   }
   return out;
 }
@@ -683,7 +700,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> Tensor[]");
   m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {

@@ -44,7 +44,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 void rope_(torch::Tensor& qkv, const torch::Tensor& cs, int64_t num_heads);
 torch::Tensor silu_mul(const torch::Tensor& gu);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask);
+                        const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots);
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q);
 const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
@@ -92,7 +92,7 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   v_dst.copy_(qkv.narrow(1, (H + Hk) * D, Hk * D).view({B, N, Hk, D}));
   const auto qf = N == 1 ? q.view({B, Hk, G, D})
                          : q.reshape({B, N, Hk, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, Hk, G * N, D});
-  auto o = attention(qf, k_src, v_src, mask);  // [B, Hk, G*N, D]
+  auto o = attention(qf, k_src, v_src, mask, c10::nullopt);  // [B, Hk, G*N, D]
   o = N == 1 ? o.view({B, H * D}) : o.view({B, Hk, G, N, D}).permute({0, 3, 1, 2, 4}).reshape({B * N, H * D});
   // 3. output product, residual add and the MLP's norm in one pass; SiLU MLP with fused gate/up
   const auto xh = add_rms_norm(x, product(o_kind, o, o_p, o_n, none), ln2, eps);
