@@ -185,21 +185,42 @@ CALIBRATION_TEXT = (
 
 
 @torch.inference_mode()
-def _round_seconds(tgt, drf, k: int, tokens: int = 24, temperature: float = 0.0, whole: bool = False):
-    """Drafting seconds per round of a run that always drafts k (best of two runs); `whole`:
-    drafting + verification seconds per step."""
+def _round_seconds(tgt, drf, k: int, tokens: int = 24):
+    """Drafting seconds per round of a greedy run that always drafts k (best of two runs)."""
     dec = SpeculativeDecoder(tgt, drf, FixedK(k), max_batch=1)
     ids = tgt.tokenizer.encode(CALIBRATION_TEXT)
-    params = SamplingParams(temperature=temperature)
-    req = GenerationRequest(prompt_ids=ids, params=params, max_new_tokens=tokens, ignore_eos=True)
+    req = GenerationRequest(prompt_ids=ids, params=SamplingParams(), max_new_tokens=tokens, ignore_eos=True)
     dec.generate([req])  # warm-up
     best = float("inf")
     for _ in range(2):  # the faster of two runs: interference only adds time
         dec.draft_time = dec.verify_time = 0.0
         res = dec.generate([req])[0]
-        spent = dec.draft_time + (dec.verify_time if whole else 0.0)
-        best = min(best, spent / max(res.num_steps, 1))
+        best = min(best, dec.draft_time / max(res.num_steps, 1))
     return best
+
+
+def _step_timer(tgt, drf, tokens: int = 24):
+    """(k, T) -> drafting + verification seconds per step of one run that always drafts k at
+    temperature T; a decoder per k and a warm-up per (k, T), kept for the calls that follow
+    (`policy.draft_round_costs` pairs them)."""
+    ids = tgt.tokenizer.encode(CALIBRATION_TEXT)
+    decoders: dict[int, SpeculativeDecoder] = {}
+    warm: set[tuple[int, float]] = set()
+
+    def step_seconds(k: int, temperature: float) -> float:
+        if k not in decoders:
+            decoders[k] = SpeculativeDecoder(tgt, drf, FixedK(k), max_batch=1)
+        dec = decoders[k]
+        params = SamplingParams(temperature=temperature)
+        req = GenerationRequest(prompt_ids=ids, params=params, max_new_tokens=tokens, ignore_eos=True)
+        if (k, temperature) not in warm:
+            dec.generate([req])
+            warm.add((k, temperature))
+        dec.draft_time = dec.verify_time = 0.0
+        res = dec.generate([req])[0]
+        return (dec.draft_time + dec.verify_time) / max(res.num_steps, 1)
+
+    return step_seconds
 
 
 @cache
@@ -234,7 +255,7 @@ def drafter_round_costs(tgt, drf, method: str, k: int):
         lambda n: _round_seconds(tgt, drf, n),
         cpu=cpu,
         points=drf.cost_points,
-        step_seconds=lambda n, t: _round_seconds(tgt, drf, n, temperature=t, whole=True),
+        step_seconds=_step_timer(tgt, drf),
     )
 
 

@@ -465,7 +465,8 @@ class NativeDecoder(nn.Module):
     def _attend(self, plan: _Plan, i: int, q, k, v, attend, B: int, N: int) -> torch.Tensor:
         """Write layer i's new K/V rows (k, v [B, N, Hk, D]), read the span this step attends to,
         and attend with the G query heads of each KV head folded into the query axis
-        (q [B, N, H, D]; `attend(q, keys, values, mask)` is SDPA or our kernel) -> [B*N, H*D]."""
+        (q [B, N, H, D]; `attend(q, keys, values, mask)` is SDPA or our kernel, which also takes
+        each row's slot to read the whole cache in place) -> [B*N, H*D]."""
         s = self.spec
         H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         G = H // Hk

@@ -19,7 +19,12 @@ The adaptive draft-length policy reads these costs instead of assuming either.
 
 `draft_round_costs(ident, k, round_seconds, points=())` is what a learned drafter's round costs
 (fixed + per token, and the curve over K through every K it timed: 1, k and the drafter's
-`points`), timed once per drafter architecture, target and machine. `interp(xs, ys, x)`: the
+`points`), timed once per drafter architecture, target and machine; with `step_seconds`, also
+what a sampled step costs beyond a greedy one: greedy and sampled steps timed back to back
+(`SAMPLED_REPEATS` times, in alternating order), the median of the paired differences. That
+extra is a fraction of a millisecond measured on steps of ~10 ms: from one timing of each side
+it came out anywhere between -1.6 and +3.5 ms on a drifting host, and a cached +1.6 ms at K = 1
+kept T = 1 requests from drafting on that machine for good. `interp(xs, ys, x)`: the
 piecewise-linear helper it and the step-cost model (`costs.py`) read curves with.
 
 `batch_step_costs(model, fingerprint, rows, blocks, contexts)` is the serving-time profile the
@@ -177,6 +182,9 @@ class RoundCosts(NamedTuple):
     sampled_extra: list[float] | None = None
 
 
+SAMPLED_REPEATS = 7  # paired greedy / sampled timings per K behind `RoundCosts.sampled_extra`
+
+
 def draft_round_costs(
     ident: Sequence[str],
     k: int,
@@ -194,10 +202,12 @@ def draft_round_costs(
     cached under `<cache_dir>/profiles/draft-*.json`, so later runs make the same decisions.
     `cpu=False`: the rounds run on a device, the host's share of the cores says nothing.
     `step_seconds(K, T)` (optional) times whole steps (drafting + verification) at K = 0 and the
-    same K at T = 0 and T = 1: their difference is `RoundCosts.sampled_extra`.
+    same K at T = 0 and T = 1, back to back: the median of their paired differences is
+    `RoundCosts.sampled_extra` (module docstring).
     """
     at = sorted({1, k, *(p for p in points if 1 < p < k)})
-    key = hashlib.sha256("|".join([*ident, ",".join(map(str, at))]).encode()).hexdigest()[:24]
+    how = [f"sampled paired x{SAMPLED_REPEATS}"] if step_seconds is not None else []
+    key = hashlib.sha256("|".join([*ident, ",".join(map(str, at)), *how]).encode()).hexdigest()[:24]
 
     def measure() -> dict:
         rounds = {str(n): round_seconds(n) for n in at}
@@ -205,8 +215,14 @@ def draft_round_costs(
         per_token = max((full - one) / (k - 1), 0.0) if k > 1 else one
         fixed = max(one - per_token, 0.0)
         rec = {"fixed_s": fixed, "per_token_s": per_token, "rounds_s": rounds}
-        if step_seconds is not None:  # greedy and sampled steps in turn, per K
-            rec["sampled_extra_s"] = {str(n): step_seconds(n, 1.0) - step_seconds(n, 0.0) for n in (0, *at)}
+        if step_seconds is not None:  # greedy and sampled steps back to back, per K, repeated
+            diffs: dict[int, list[float]] = {n: [] for n in (0, *at)}
+            for r in range(SAMPLED_REPEATS):
+                for n, d in diffs.items():
+                    first, second = (0.0, 1.0) if r % 2 == 0 else (1.0, 0.0)
+                    times = {first: step_seconds(n, first), second: step_seconds(n, second)}
+                    d.append(times[1.0] - times[0.0])
+            rec["sampled_extra_s"] = {str(n): statistics.median(d) for n, d in diffs.items()}
         return rec
 
     sampled = step_seconds is not None
@@ -230,6 +246,7 @@ def draft_round_costs(
         # Beyond plain sampled decoding's own cost; noise never makes drafting cheaper.
         # (ks hold 0 and k: np.interp, unlike `interp`, keeps a negative difference negative)
         extra = [max(float(np.interp(K, ks, [ex[n] for n in ks])) - ex[0], 0.0) for K in range(k + 1)]
+        extra = monotone_envelope(extra)  # drafting more at T > 0 never costs less
     return RoundCosts(rec["fixed_s"], rec["per_token_s"], curve, extra)
 
 

@@ -7,6 +7,7 @@ from specdecode import measured
 from specdecode.models.loader import load_model
 from specdecode.policy.profile import (
     contexts_for,
+    SAMPLED_REPEATS,
     draft_round_costs,
     measure_step_cost_curves,
     measure_step_costs,
@@ -124,12 +125,31 @@ def test_sampled_steps_add_their_extra_beyond_plain_sampled_decoding(tmp_path, m
 
     rc = draft_round_costs(["eagle", "target"], 4, lambda k: 0.001 * k, step_seconds=step_seconds)
     assert rc.sampled_extra == pytest.approx([0.0, 0.0002, 0.0004, 0.0006, 0.0008])
-    assert sorted({k for k, _ in timed}) == [0, 1, 4] and len(timed) == 6
+    n = 6 * SAMPLED_REPEATS  # greedy and sampled at K = 0, 1, 4, each repeat
+    assert sorted({k for k, _ in timed}) == [0, 1, 4] and len(timed) == n
+    assert timed[:2] == [(0, 0.0), (0, 1.0)] and timed[6:8] == [(0, 1.0), (0, 0.0)]  # order alternates
     again = draft_round_costs(["eagle", "target"], 4, lambda k: 0.001 * k, step_seconds=step_seconds)
-    assert again.sampled_extra == rc.sampled_extra and len(timed) == 6  # cached
+    assert again.sampled_extra == rc.sampled_extra and len(timed) == n  # cached
     faster = lambda k, t: 0.01 - 0.001 * t * (k + 1)  # noqa: E731 (noise: sampled steps timed faster)
     noisy = draft_round_costs(["other", "target"], 4, lambda k: 0.001, step_seconds=faster)
     assert noisy.sampled_extra == [0.0] * 5
+
+
+def test_sampled_extra_is_the_median_of_paired_timings(tmp_path, monkeypatch):
+    """A host that stalls now and then (one timing in five 3 ms slow, on either side) moves no
+    paired median; a K that reads dearer than a larger one is lowered to it."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
+    calls = []
+
+    def step_seconds(k, t):
+        calls.append((k, t))
+        stall = 0.003 if len(calls) % 5 == 0 else 0.0
+        extra = {0: 0.0002, 1: 0.0009, 4: 0.0007}[k] if t > 0 else 0.0  # K = 1 dearer than K = 4
+        return 0.010 + extra + stall
+
+    rc = draft_round_costs(["stalls", "target"], 4, lambda k: 0.001, step_seconds=step_seconds)
+    assert rc.sampled_extra == pytest.approx([0.0, 0.0005, 0.0005, 0.0005, 0.0005])
 
 
 def test_monotone_envelope_lowers_bumps_and_keeps_a_rising_curve():
