@@ -6,8 +6,8 @@ import pytest
 from specdecode import measured
 from specdecode.models.loader import load_model
 from specdecode.policy.profile import (
-    contexts_for,
     SAMPLED_REPEATS,
+    contexts_for,
     draft_round_costs,
     measure_step_cost_curves,
     measure_step_costs,
