@@ -14,11 +14,13 @@ Contract:
   `SPECDECODE_MALLOC=default` (glibc's own settings, e.g. to compare).
 * `release_freed_memory()` hands freed heap memory back to the OS now (`malloc_trim(0)`), after
   a one-off peak such as converting every weight to another format.
-* `huge_page_empty(shape, dtype)` is `torch.empty` whose pages the kernel is asked to back with
-  2 MiB pages (`madvise(MADV_HUGEPAGE)` on the whole 2 MiB blocks inside it, before any page is
-  touched), for a large buffer read in long strided runs every step: a batched step's KV cache
-  (64 requests' keys and values lie megabytes apart, and every 4 KiB page of them costs a TLB
-  walk). Where the system's transparent huge pages are `never`, or without glibc, it is plain
+* `huge_page_empty(shape, dtype)` is `torch.empty` on the CPU whose pages the kernel is asked to
+  back with 2 MiB pages (`madvise(MADV_HUGEPAGE)` on the whole 2 MiB blocks inside it), for a
+  large buffer read in long strided runs every step: a batched step's KV cache (64 requests'
+  keys and values lie megabytes apart, and every 4 KiB page of them costs a TLB walk). Buffers
+  over the mmap threshold (32 MiB) are fresh mappings, so every page faults in huge; smaller ones
+  may reuse heap pages already touched (those stay as they are), and under 4 MiB nothing is
+  advised. Where the system's transparent huge pages are `never`, or without glibc, it is plain
   `torch.empty`; the contents are uninitialised either way.
 """
 
@@ -66,7 +68,7 @@ def release_freed_memory() -> None:
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype)` on the CPU, backed by huge pages where the OS allows (docstring)."""
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device="cpu")
     libc = _libc()
     if libc is None or t.numel() * t.element_size() < 2 * HUGE_PAGE:
         return t

@@ -86,7 +86,7 @@ class _Plan:
     """
 
     s0: int | None  # first slot when the slots are a contiguous range, else None
-    slot_idx: torch.Tensor | None  # [B] long (scatter/gather paths)
+    slot_idx: torch.Tensor | None  # [B] long (scatter writes; reads by slot or gathered)
     rows: torch.Tensor | None  # [B, N] long write rows; padded rows past the end go to the scratch row
     mask: torch.Tensor | None  # [B|1, 1, G*N, span] bool; None = every query sees all span rows
     k_dst: tuple | None = None  # layer -> [B, N, Hk, D] destination view (contiguous slots, equal lengths)
@@ -545,24 +545,21 @@ class NativeDecoder(nn.Module):
         if contiguous:
             src = kv[:, :, slot_list[0] : slot_list[0] + B, :, :span]  # [2, layers, B, Hk, span, D]
             plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
-        elif by_slot:  # each row's own slot read where it lies (no copy, no dummy rows)
-            src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D], read by plan.slot_idx
-            plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
-        elif hi - lo + 1 <= WINDOW_FACTOR * B:
-            # Reading the slots' range in place (with dummy queries for the gaps) beats copying
-            # every row of every layer's K/V (index_select) unless the range is mostly gaps.
+        elif not by_slot and hi - lo + 1 <= WINDOW_FACTOR * B:
+            # SDPA: reading the slots' range in place (with dummy queries for the gaps) beats
+            # copying every row of every layer's K/V (index_select) unless the range is mostly gaps.
             src = kv[:, :, lo : hi + 1, :, :span]  # [2, layers, R, Hk, span, D]
             plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
             plan.window = torch.tensor([x - lo for x in slot_list], device=dev)
             plan.window_size = hi - lo + 1
-        else:
-            src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D]
+        else:  # our kernel reads each row's slot where it lies (no copy, no dummy rows); SDPA gathers
+            src = kv[:, :, :, :, :span]  # [2, layers, S, Hk, span, D], by plan.slot_idx
             plan.k_span, plan.v_span = src[0].unbind(0), src[1].unbind(0)
         plan.causal = contiguous and uniform and L == 0 and N > 1 and tree_mask is None
         if not (N == 1 and uniform and tree_mask is None):
             plan.mask = self._mask(B, N, span, torch.tensor(lens, device=dev), counts, tree_mask, dev)
-            if plan.window is not None:  # dummy rows see key 0 only: finite garbage, never used,
-                # and our kernel reads one key for them instead of their slot's whole span
+            if plan.window is not None:  # (SDPA) dummy rows see key 0 only: finite garbage,
+                # never used
                 dummy = torch.zeros(plan.window_size, *plan.mask.shape[1:], dtype=torch.bool, device=dev)
                 dummy[..., 0] = True
                 plan.mask = dummy.index_copy_(0, plan.window, plan.mask)

@@ -21,7 +21,8 @@ The adaptive draft-length policy reads these costs instead of assuming either.
 (fixed + per token, and the curve over K through every K it timed: 1, k and the drafter's
 `points`), timed once per drafter architecture, target and machine; with `step_seconds`, also
 what a sampled step costs beyond a greedy one: greedy and sampled steps timed back to back
-(`SAMPLED_REPEATS` times, in alternating order), the median of the paired differences. That
+(`SAMPLED_REPEATS` times, in alternating order), the median over the pairs of orders of the
+paired differences. That
 extra is a fraction of a millisecond measured on steps of ~10 ms: from one timing of each side
 it came out anywhere between -1.6 and +3.5 ms on a drifting host, and a cached +1.6 ms at K = 1
 kept T = 1 requests from drafting on that machine for good. `interp(xs, ys, x)`: the
@@ -182,7 +183,7 @@ class RoundCosts(NamedTuple):
     sampled_extra: list[float] | None = None
 
 
-SAMPLED_REPEATS = 7  # paired greedy / sampled timings per K behind `RoundCosts.sampled_extra`
+SAMPLED_REPEATS = 8  # paired greedy / sampled timings per K (even: both orders alike)
 
 
 def draft_round_costs(
@@ -222,7 +223,12 @@ def draft_round_costs(
                     first, second = (0.0, 1.0) if r % 2 == 0 else (1.0, 0.0)
                     times = {first: step_seconds(n, first), second: step_seconds(n, second)}
                     d.append(times[1.0] - times[0.0])
-            rec["sampled_extra_s"] = {str(n): statistics.median(d) for n, d in diffs.items()}
+            # each greedy-first pair averaged with the sampled-first pair after it, so that a
+            # first (or second) run of a pair being faster cancels out; then the median
+            rec["sampled_extra_s"] = {
+                str(n): statistics.median((a + b) / 2 for a, b in zip(d[::2], d[1::2], strict=True))
+                for n, d in diffs.items()
+            }
         return rec
 
     sampled = step_seconds is not None

@@ -232,6 +232,7 @@ def test_adaptive_policy_times_a_learned_drafters_rounds_once(trained, tiny, tmp
     assert c2 == pytest.approx((c1 + c3) / 2) and c3 / c1 == pytest.approx(rounds["3"] / rounds["1"])
     calls = []
     monkeypatch.setattr(build_mod, "_round_seconds", lambda *a, **k: calls.append(a) or 1.0)
+    monkeypatch.setattr(build_mod, "_step_timer", lambda *a, **k: lambda n, t: calls.append((n, t)) or 1.0)
     again = build_mod.build(opts).decoder.policy  # cached: the same decisions, nothing timed
     assert not calls and (again.draft_fixed, again.draft_cost) == (pol.draft_fixed, pol.draft_cost)
     assert again.draft_curve == pol.draft_curve and len(pol.draft_curve) == 3

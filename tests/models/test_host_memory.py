@@ -44,15 +44,17 @@ def test_kept_heap_faults_fewer_pages_than_glibc_defaults():
 
 
 def _anon_huge_kb() -> int:
-    for line in open(f"/proc/{os.getpid()}/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
+    with open(f"/proc/{os.getpid()}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
     return 0
 
 
 def _thp_mode() -> str:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return "never"
     return text.split("[")[1].split("]")[0]

@@ -223,10 +223,13 @@ def test_attention_reads_each_row_s_own_slot_in_place(ops, R, dtype):
     k, v = kv[0, :, :, :L], kv[1, :, :, :L]  # [S, Hk, L, D] strided views of a cache
     lens = torch.tensor([21, 4, 13])
     mask = (torch.arange(L).view(1, L) < lens.view(B, 1)).view(B, 1, 1, L).repeat(1, 1, R, 1)
-    k[0, :, 4:] = float("nan")  # slot 0 (row 1) past its length: never read
+    k[0, :, 4:] = float("nan")  # slot 0 (row 1) past its length: masked (its values never read)
+    v[0, :, 4:] = float("nan")
     got = ops.attention(q, k, v, mask, slots)
     want = ops.attention(q, k.index_select(0, slots), v.index_select(0, slots), mask)
     assert torch.equal(got, want) and not got.isnan().any()
+    one = ops.attention(q[:1], k, v, None, slots[:1])  # no mask: slot 5 sees all L keys
+    assert torch.equal(one, ops.attention(q[:1], k[5:6], v[5:6], None))
     with pytest.raises(RuntimeError, match="outside k's 7 slots"):
         ops.attention(q, k, v, mask, torch.tensor([5, 0, 7]))
 

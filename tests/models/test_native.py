@@ -130,9 +130,12 @@ def test_tree_block_equals_its_paths_as_chains(kind, request):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("num_slots", "slots"), [(4, [3, 0, 1]), (8, [7, 0, 2])])  # in place; gathered
-def test_ragged_batch_equals_single_requests(kind, request, num_slots, slots):
+@pytest.mark.parametrize("attention", ["ours", "sdpa"])  # ours reads every slot by index in place
+@pytest.mark.parametrize(("num_slots", "slots"), [(4, [3, 0, 1]), (8, [7, 0, 2])])  # SDPA: range; gathered
+def test_ragged_batch_equals_single_requests(kind, request, attention, num_slots, slots):
     model = _load(request.getfixturevalue(kind))
+    if attention == "sdpa":
+        model._fused = None  # the stock-PyTorch layer (no kernels, CUDA): range and gather reads
     prompt_lens, new_counts = [5, 9, 3], [4, 1, 3]  # non-contiguous slots
     prompts = [_ids(n, seed=10 + i) for i, n in enumerate(prompt_lens)]
     blocks = [_ids(4, seed=20 + i) for i in range(3)]
@@ -153,7 +156,7 @@ def test_ragged_batch_equals_single_requests(kind, request, num_slots, slots):
     # After committing different amounts, a contiguous batched decode step still matches.
     for b, s in enumerate(slots):
         batch_cache.commit(s, new_counts[b])
-    order = [0, slots[2]]  # [0, 1] a contiguous range read through views; [0, 2] a range with a gap
+    order = [0, slots[2]]  # [0, 1] a contiguous range read through views; [0, 2] not contiguous
     step = torch.tensor([[7], [8]])
     out2 = model.forward(step, None, batch_cache, order)
     for row, s in enumerate(order):

@@ -136,20 +136,30 @@ def test_sampled_steps_add_their_extra_beyond_plain_sampled_decoding(tmp_path, m
 
 
 def test_sampled_extra_is_the_median_of_paired_timings(tmp_path, monkeypatch):
-    """A host that stalls now and then (one timing in five 3 ms slow, on either side) moves no
-    paired median; a K that reads dearer than a larger one is lowered to it."""
+    """A host that stalls now and then (one timing in 17 3 ms slow, on either side) moves no
+    median; the second run of a pair being faster (a warm decoder, the more so the more it
+    drafts) cancels out between the two orders; a K that reads dearer than a larger one is
+    lowered to it."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
-    calls = []
+    want = [0.0, 0.0005, 0.0005, 0.0005, 0.0005]
 
-    def step_seconds(k, t):
-        calls.append((k, t))
-        stall = 0.003 if len(calls) % 5 == 0 else 0.0
-        extra = {0: 0.0002, 1: 0.0009, 4: 0.0007}[k] if t > 0 else 0.0  # K = 1 dearer than K = 4
-        return 0.010 + extra + stall
+    def timer(stall_every: int, second_faster: float):
+        calls = []
 
-    rc = draft_round_costs(["stalls", "target"], 4, lambda k: 0.001, step_seconds=step_seconds)
-    assert rc.sampled_extra == pytest.approx([0.0, 0.0005, 0.0005, 0.0005, 0.0005])
+        def step_seconds(k, t):
+            calls.append((k, t))
+            stall = 0.003 if stall_every and len(calls) % stall_every == 0 else 0.0
+            warm = second_faster * (1 + k) if len(calls) % 2 == 0 else 0.0
+            extra = {0: 0.0002, 1: 0.0009, 4: 0.0007}[k] if t > 0 else 0.0  # K = 1 dearer than K = 4
+            return 0.010 + extra + stall - warm
+
+        return step_seconds
+
+    rc = draft_round_costs(["stalls", "target"], 4, lambda k: 0.001, step_seconds=timer(17, 0.0))
+    assert rc.sampled_extra == pytest.approx(want)
+    rc = draft_round_costs(["warm", "target"], 4, lambda k: 0.001, step_seconds=timer(0, 0.0001))
+    assert rc.sampled_extra == pytest.approx(want)
 
 
 def test_monotone_envelope_lowers_bumps_and_keeps_a_rising_curve():
