@@ -23,7 +23,9 @@ The loop's entry point is `verify_step(proposal, logits, params, streams, positi
 owns the uniforms, the greedy paths (`verify_greedy`, `verify_tree_greedy`: no uniforms, no
 one-hot distributions), chains and batched trees (`verify_tree_batch`, rows of different
 shapes), and returns one `Verdict` per request
-(emitted ids, kept verify-block rows, drafts verified, depth).
+(emitted ids, kept verify-block rows, drafts verified, depth). Chains whose requests are all
+greedy or plain-temperature go to our CPU kernel where it applies (`verify_native`: the same
+verdicts without vocabulary-sized tensors; greedy ones identical), the rest to the tensor path.
 
 Acceptance is tested as `u * q(x) < p(x)`, i.e. u < min(1, p(x) / q(x)) without a division.
 """
@@ -40,6 +42,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafter import Proposal
 from specdecode.sampling import process_logits_batch, sample
 from specdecode.tree import DraftTree, validate_parents
+from specdecode.verify_native import argmax_ids, native_chain
 
 __all__ = [
     "Verdict",
@@ -398,12 +401,13 @@ def step_uniforms(
 
 def verify_greedy(
     draft_ids: torch.Tensor,  # [B, K] long
-    target_logits: torch.Tensor,  # [B, K+1, V]
+    target_logits: torch.Tensor,  # [B, K+1, V']
     num_draft: torch.Tensor,  # [B] long
+    vocab_size: int | None = None,  # ids past it are never chosen (None: all V')
 ) -> ChainVerdict:
     """T = 0: the exact limit of rejection sampling without building one-hot distributions
     (accept while draft == argmax; the argmax after the last accepted draft is emitted)."""
-    target_ids = target_logits.argmax(dim=-1).cpu()  # [B, K+1]
+    target_ids = argmax_ids(target_logits, vocab_size).cpu()  # [B, K+1]
     k = draft_ids.shape[1]
     valid = torch.arange(k)[None] < num_draft.cpu()[:, None]  # [B, K]
     match = (draft_ids.cpu() == target_ids[:, :k]) & valid
@@ -415,13 +419,14 @@ def verify_greedy(
 def verify_tree_greedy(
     parents: torch.Tensor,  # [B, N] long, -1 = root (a row's shape)
     tree_ids: torch.Tensor,  # [B, N] long: node tokens; -1 = node absent in this row
-    target_logits: torch.Tensor,  # [B, N+1, V] the target's logits at the block rows (row 0 = root)
+    target_logits: torch.Tensor,  # [B, N+1, V'] the target's logits at the block rows (row 0 = root)
+    vocab_size: int | None = None,  # ids past it are never chosen (None: all V')
 ) -> list[tuple[list[int], list[int], int]]:
     """T = 0: the exact limit of `verify_tree_batch` without one-hot distributions. From the
     root, move to the first child (index order) whose token is the target's argmax at the
     current node, while there is one; then emit the argmax there. Per row: (emitted ids, kept
     block rows, depth of the row's deepest node)."""
-    target_ids = target_logits.argmax(dim=-1).tolist()  # [B, N+1]
+    target_ids = argmax_ids(target_logits, vocab_size).tolist()  # [B, N+1]
     out = []
     for par, ids, want in zip(parents.tolist(), tree_ids.tolist(), target_ids, strict=True):
         depth = [0] * (len(ids) + 1)
@@ -458,11 +463,17 @@ def verify_step(
         tree_ids = torch.where(torch.arange(k)[None] < num_draft[:, None], proposal.draft_ids.cpu(), -1)
     if all(p.greedy for p in params):
         if tree_ids is None:
-            v = verify_greedy(proposal.draft_ids, logits[..., :vocab_size], num_draft)
-            return _chain_verdicts(v, nd)
+            return _chain_verdicts(verify_greedy(proposal.draft_ids, logits, num_draft, vocab_size), nd)
         parents = proposal.parents.cpu().expand(len(nd), -1)  # [B, N] (a shared shape broadcasts)
-        rows = verify_tree_greedy(parents, tree_ids, logits[..., :vocab_size])
+        rows = verify_tree_greedy(parents, tree_ids, logits, vocab_size)
         return [Verdict(e, kept, nd[b], depth) for b, (e, kept, depth) in enumerate(rows)]
+    keyed = mode == "match" or proposal.draft_probs is None
+    if tree_ids is None:  # a chain: our CPU kernel where it applies (verify_native)
+        u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain")
+        q = None if keyed else proposal.draft_probs
+        got = native_chain(logits, proposal.draft_ids, num_draft, q, u, params, vocab_size)
+        if got is not None:
+            return _native_verdicts(proposal.draft_ids.cpu(), *got, nd)
     target_probs = process_logits_batch(logits, list(params), vocab_size)  # [B, K+1, V]
     dev = target_probs.device
     q = None if proposal.draft_probs is None else proposal.draft_probs.to(dev)  # [B, K, V]
@@ -475,14 +486,23 @@ def verify_step(
             Verdict(emitted[b][: a + 1], kept[b][: a + 1], nd[b], depth[b])
             for b, a in enumerate(v.num_accepted.tolist())
         ]
-    keyed = mode == "match" or q is None
-    u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain").to(dev)
+    u = u.to(dev)  # the chain's uniforms, drawn above
     draft_ids = proposal.draft_ids.to(dev)
     if keyed:
         v = verify_chain_match(draft_ids, target_probs, u, num_draft.to(dev))
     else:
         v = verify_chain(draft_ids, q, target_probs, u, num_draft.to(dev))
     return _chain_verdicts(v, nd)
+
+
+def _native_verdicts(
+    draft_ids: torch.Tensor, num_accepted: torch.Tensor, final_ids: torch.Tensor, num_draft: list[int]
+) -> list[Verdict]:
+    ids, acc, fin = draft_ids.tolist(), num_accepted.tolist(), final_ids.tolist()
+    return [
+        Verdict(ids[b][:a] + [fin[b]], list(range(a + 1)), num_draft[b], num_draft[b])
+        for b, a in enumerate(acc)
+    ]
 
 
 def _chain_verdicts(v: ChainVerdict, num_draft: list[int]) -> list[Verdict]:

@@ -17,7 +17,8 @@ Contract:
 - `chi_square(counts, law, n)`: scipy.stats.chisquare of observed continuation counts against
   the exact expected counts; cells with expected < 5 are merged into one bin.
 - `VerifierSpy` wraps the verification functions the loop calls (the names in
-  specdecode.verify) and counts accepted drafts, recovered tokens (first rejection) and bonus
+  specdecode.verify, our CPU kernel's `native_chain` among them) and counts accepted drafts,
+  recovered tokens (first rejection) and bonus
   tokens (every draft accepted); `broken` makes it re-draw the token after a rejection from the
   target's p instead of the residual, the classic losslessness bug.
 """
@@ -31,6 +32,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdecode.verify as verify_mod
+from specdecode.sampling import process_logits_batch
 
 
 # ---- a peaked target ----------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class VerifierSpy:
     bonus: int = 0
     plain: int = 0  # steps without drafts (the token is a plain sample)
     calls: int = 0  # verifier calls seen (0: the loop no longer calls the names patched here)
+    native: int = 0  # of them, chains verified by our CPU kernel (verify_native)
     multi: int = 0  # steps that accepted two drafts or more
     drafts: collections.Counter = field(default_factory=collections.Counter)  # drafts per step -> steps
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1234))
@@ -166,11 +169,13 @@ class VerifierSpy:
         monkeypatch.setattr(verify_mod, "verify_chain", self._chain(verify_mod.verify_chain))
         monkeypatch.setattr(verify_mod, "verify_chain_match", self._match(verify_mod.verify_chain_match))
         monkeypatch.setattr(verify_mod, "verify_tree_batch", self._tree(verify_mod.verify_tree_batch))
+        monkeypatch.setattr(verify_mod, "native_chain", self._native(verify_mod.native_chain))
         return self
 
     def summary(self) -> str:
         return (
             f"accepted={self.accepted} recovered={self.recovered} bonus={self.bonus} plain={self.plain} "
+            f"native={self.native} "
             f"multi={self.multi} drafts/step={dict(sorted(self.drafts.items()))}"
         )
 
@@ -206,6 +211,23 @@ class VerifierSpy:
             return v
 
         return verify_chain_match
+
+    def _native(self, real):
+        # our CPU kernel's chains (verify_native): the same tally, and the same broken re-draw
+        def native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size):
+            got = real(logits, draft_ids, num_draft, q, uniforms, params, vocab_size)
+            if got is None:
+                return None  # the loop takes the tensor path, spied above
+            acc, final = got
+            self.native += 1
+            B, K = draft_ids.shape
+            v = verify_mod.ChainVerdict(acc, torch.full((B, K + 1), -1, dtype=torch.long), acc + 1)
+            v.emitted_ids[torch.arange(B), acc] = final
+            p = process_logits_batch(logits, list(params), vocab_size) if self.broken else None
+            self._tally_chain(v, num_draft, K, p)
+            return acc, v.emitted_ids[torch.arange(B), acc]
+
+        return native_chain
 
     def _tree(self, real):
         def verify_tree_batch(parents, tree_ids, draft_probs, target_probs, uniforms, iid):

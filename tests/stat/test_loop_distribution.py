@@ -45,7 +45,9 @@ from specdecode.drafters.layers import target_shape
 from specdecode.drafters.medusa import Medusa, MedusaConfig, MedusaDrafter
 from specdecode.drafters.mtp import MTP, MTPConfig, MTPDrafter
 from specdecode.drafters.ngram import NgramDrafter, NgramTable
+from specdecode.models import kernels
 from specdecode.policy import FixedK, ScheduledK, StepCostModel
+from specdecode.sampling import plain_temperature
 from specdecode.tree import tree_from_paths
 
 DEPTH = 4  # tokens of the joint law: K = 3 drafts and the bonus after them
@@ -247,6 +249,9 @@ def test_loop_matches_exact_target_law(peaked, laws, monkeypatch, record_propert
     print("\n" + report)  # shown with -s
     record_property("loop_distribution", report)  # and in --junitxml reports
     assert spy.calls > 0, "the loop no longer calls specdecode.decode.verify_*: update VerifierSpy"
+    if kernels.fused() is not None and plain_temperature(params, peaked.target.vocab_size):
+        # plain-temperature chains run on our CPU kernel: this test is its losslessness test
+        assert spy.native > 0 or "tree" in family, "no chain went through verify_native's kernel"
     assert spy.accepted > 0 and spy.recovered > 0 and spy.bonus > 0, spy.summary()
     assert spy.multi > 0 and max(spy.drafts) >= K, spy.summary()  # real draft lengths, accepted
     assert p_ok > P_PASS, f"{family} at {setting} does not follow the target's law (p = {p_ok:.3g})"

@@ -16,7 +16,10 @@ Contract:
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
     and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
-    (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions).
+    (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions);
+  - `row_argmax` and `verify_chain` of `verify.cpp`: a step's chain verification over the
+    target's logits (greedy, or plain temperature by rejection or sample-then-match) without
+    building vocabulary-sized distributions (`specdecode.verify_native`; contract there).
   Each computes a row the same way whatever the number of rows.
 - Both come from one extension, absent when it cannot run here: a non-x86 CPU, no C++
   compiler, a failed build, or a CPU without AVX2 + FMA (that check only keeps the process
@@ -45,8 +48,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp")
-HEADERS = ("bf16_pairs.h", "products.h")  # included by the product kernels
+SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp", "verify.cpp")
+HEADERS = ("bf16_pairs.h", "products.h", "vec_math.h")  # included by the kernels
 unavailable: dict[str, str] = {}
 
 

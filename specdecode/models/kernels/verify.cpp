@@ -1,0 +1,306 @@
+// A speculative step's verification over the target's logits in one call, for the loop's common
+// case: chains (no trees), each request greedy or sampling at a plain temperature (no top-k /
+// top-p), fp32 logits on the CPU. verify.py's tensor path builds the [B, K+1, V] distributions
+// p (and the residual and its cumulative sum) with ~25 operators over the whole vocabulary; this
+// reads each logits row once or twice and builds nothing of vocabulary size but one row.
+//
+//   row_argmax(x [R, V'] fp32, vocab_size) -> [R] int64: the first largest of x[r, :vocab_size]
+//       (torch.argmax's choice, NaN largest)
+//   verify_chain(logits [B, N, V'] fp32, draft_ids [B, K] int64, num_draft [B] int64,
+//                q [B, K, Vq] fp32 | None, uniforms [B, K+1] fp32, temperature [B] fp32,
+//                vocab_size) -> (num_accepted [B] int64, final_ids [B] int64)
+//       Request b drafted x_k = draft_ids[b, k] for k < n = num_draft[b] (N >= K + 1 rows of
+//       logits, ids < vocab_size count, Vq >= vocab_size). With T = temperature[b]:
+//       - T == 0: drafts are kept while x_k is the argmax of row k; the final token is the
+//         argmax of the row after them (the exact limit of rejection sampling, as
+//         verify.verify_greedy).
+//       - T > 0 with q (rejection, verify.verify_chain): p_k = softmax(logits[b, k] / T);
+//         draft k is kept while uniforms[b, k] * q[b, k, x_k] < p_k(x_k); after a rejection at
+//         a the final token is drawn from norm(max(0, p_a - q_a)) (p_a where that has no mass),
+//         after n acceptances from p_n, by inverse CDF with uniforms[b, K].
+//       - T > 0 without q (sample-then-match, verify.verify_chain_match): y_k is drawn from p_k
+//         with uniforms[b, k]; drafts are kept while y_k == x_k; the final token is y at the
+//         first mismatch (or y_n).
+//
+// Every sum runs over fixed chunks of CHUNK ids in a fixed order (a chunk's maximum, its
+// exponentials relative to it, then the chunks combined), whichever thread computes a chunk, so a
+// request's verdict never depends on its batch or on the number of threads. Probabilities are
+// those of softmax up to rounding (the exponential is vec_math.h's polynomial); the draws are
+// inverse CDF as sampling.sample: the first id whose running mass exceeds u * total, the target
+// kept strictly below the total, so an id of zero mass is never drawn.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "vec_math.h"
+
+// fused.cpp's argmax of one row (torch.argmax's rule; no id mask here).
+int64_t first_argmax(const float* x, int64_t V, const bool* off);
+
+namespace {
+
+constexpr int64_t CHUNK = 4096;  // ids per chunk (a row's sums are combined over these)
+
+struct ChunkStat {
+  float mx;      // the chunk's largest logit (greedy: its first index in `arg`)
+  double sum;    // T > 0: sum over the chunk of exp((x - mx) / T)
+  int64_t arg;   // T == 0: the chunk's first largest (absolute id)
+};
+
+// One chunk [v0, v1) of a row: greedy -> its first largest; T > 0 -> its maximum and the sum of
+// exp((x - mx) / T) (8 lanes, then the lanes added in order).
+ChunkStat chunk_stat(const float* x, int64_t v0, int64_t v1, float inv_t) {
+  ChunkStat st{-std::numeric_limits<float>::infinity(), 0.0, v0};
+  if (inv_t == 0.f) {
+    st.arg = v0 + first_argmax(x + v0, v1 - v0, nullptr);
+    st.mx = x[st.arg];
+    return st;
+  }
+  __m256 vmax = _mm256_set1_ps(st.mx);
+  int64_t v = v0;
+  for (; v + 8 <= v1; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + v));
+  float mx = hmax(vmax);
+  for (int64_t t = v; t < v1; ++t) mx = std::max(mx, x[t]);
+  st.mx = mx;
+  if (mx == -std::numeric_limits<float>::infinity()) return st;  // nothing of mass here
+  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(mx * inv_t);
+  __m256 acc = _mm256_setzero_ps();
+  for (v = v0; v + 8 <= v1; v += 8) acc = _mm256_add_ps(acc, exp_shifted(_mm256_mul_ps(_mm256_loadu_ps(x + v), it), m));
+  double s = hadd(acc);
+  for (int64_t t = v; t < v1; ++t) s += std::exp(static_cast<double>(x[t] * inv_t) - static_cast<double>(mx * inv_t));
+  st.sum = s;
+  return st;
+}
+
+struct RowStat {
+  float mx;      // the row's largest logit
+  double z;      // sum of exp((x - mx) / T) over the row
+  int64_t arg;   // T == 0: the row's first largest
+};
+
+// The chunks of a row combined in order.
+RowStat combine(const ChunkStat* c, int64_t n, float inv_t) {
+  RowStat r{c[0].mx, 0.0, c[0].arg};
+  for (int64_t i = 1; i < n; ++i)
+    if (c[i].mx > r.mx || (std::isnan(c[i].mx) && !std::isnan(r.mx))) r.mx = c[i].mx, r.arg = c[i].arg;
+  if (inv_t == 0.f) return r;
+  for (int64_t i = 0; i < n; ++i)
+    if (c[i].sum > 0.0) r.z += c[i].sum * std::exp(static_cast<double>(c[i].mx * inv_t) - static_cast<double>(r.mx * inv_t));
+  return r;
+}
+
+// p(x) of one id under a row's statistics.
+inline double prob(const float* x, int64_t id, const RowStat& r, float inv_t) {
+  return std::exp(static_cast<double>(x[id] * inv_t) - static_cast<double>(r.mx * inv_t)) / r.z;
+}
+
+// Weights of one chunk [v0, v1) of the final distribution into w: p (q null) or max(0, p - q);
+// returns their sum (8 lanes, then in order).
+double chunk_weights(const float* x, const float* q, int64_t v0, int64_t v1, const RowStat& r, float inv_t,
+                     float* w) {
+  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx * inv_t);
+  const __m256 iz = _mm256_set1_ps(static_cast<float>(1.0 / r.z)), zero = _mm256_setzero_ps();
+  __m256 acc = zero;
+  int64_t v = v0;
+  for (; v + 8 <= v1; v += 8) {
+    __m256 p = _mm256_mul_ps(exp_shifted(_mm256_mul_ps(_mm256_loadu_ps(x + v), it), m), iz);
+    if (q) p = _mm256_max_ps(_mm256_sub_ps(p, _mm256_loadu_ps(q + v)), zero);
+    _mm256_storeu_ps(w + v, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  double s = hadd(acc);
+  for (; v < v1; ++v) {
+    float p = static_cast<float>(prob(x, v, r, inv_t));
+    if (q) p = std::max(p - q[v], 0.f);
+    w[v] = p;
+    s += p;
+  }
+  return s;
+}
+
+// The inverse-CDF draw over weights w [V] with chunk sums `sums` (in order): the first id whose
+// running mass exceeds u * total; the last id of positive weight if rounding runs past the end.
+int64_t draw(const float* w, const double* sums, int64_t chunks, int64_t V, float u) {
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += sums[c];
+  const double target = std::min(static_cast<double>(u) * total, std::nextafter(total, 0.0));
+  double acc = 0.0;
+  int64_t c = 0;
+  while (c + 1 < chunks && acc + sums[c] <= target) acc += sums[c++];
+  int64_t last = -1;
+  for (int64_t v = c * CHUNK; v < V; ++v) {
+    if (w[v] <= 0.f) continue;
+    last = v;
+    acc += w[v];
+    if (acc > target) return v;
+  }
+  if (last >= 0) return last;
+  for (int64_t v = V - 1; v >= 0; --v)  // rounding ran past every later id: the last of mass
+    if (w[v] > 0.f) return v;
+  return 0;
+}
+
+void check(const torch::Tensor& t, const char* name, c10::ScalarType type, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == type && t.device().is_cpu() && t.dim() == dim, name, " must be a ", dim,
+              "-D ", c10::toString(type), " tensor on the CPU");
+}
+
+}  // namespace
+
+torch::Tensor row_argmax(const torch::Tensor& x, int64_t vocab_size) {
+  check(x, "x", torch::kFloat32, 2);
+  TORCH_CHECK(vocab_size >= 1 && vocab_size <= x.size(1), "vocab_size must be in [1, V']");
+  const auto xc = x.contiguous();
+  const int64_t R = xc.size(0), ld = xc.size(1), chunks = (vocab_size + CHUNK - 1) / CHUNK;
+  std::vector<ChunkStat> st(R * chunks);
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, R * chunks, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t r = t / chunks, c = t % chunks;
+      st[t] = chunk_stat(xp + r * ld, c * CHUNK, std::min(vocab_size, (c + 1) * CHUNK), 0.f);
+    }
+  });
+  auto out = torch::empty({R}, torch::kInt64);
+  for (int64_t r = 0; r < R; ++r) out[r] = combine(st.data() + r * chunks, chunks, 0.f).arg;
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logits, const torch::Tensor& draft_ids,
+                                                      const torch::Tensor& num_draft,
+                                                      const c10::optional<torch::Tensor>& q,
+                                                      const torch::Tensor& uniforms, const torch::Tensor& temperature,
+                                                      int64_t vocab_size) {
+  check(logits, "logits", torch::kFloat32, 3);
+  check(draft_ids, "draft_ids", torch::kInt64, 2);
+  check(num_draft, "num_draft", torch::kInt64, 1);
+  check(uniforms, "uniforms", torch::kFloat32, 2);
+  check(temperature, "temperature", torch::kFloat32, 1);
+  const int64_t B = logits.size(0), N = logits.size(1), V = vocab_size, K = draft_ids.size(1);
+  TORCH_CHECK(V >= 1 && V <= logits.size(2), "vocab_size must be in [1, V']");
+  TORCH_CHECK(draft_ids.size(0) == B && num_draft.size(0) == B && temperature.size(0) == B &&
+                  uniforms.size(0) == B && uniforms.size(1) == K + 1 && N >= K + 1,
+              "draft_ids [B, K], num_draft [B], uniforms [B, K+1], temperature [B] and logits [B, >= K+1, V']");
+  const bool has_q = q.has_value() && q->defined();
+  torch::Tensor qc;
+  if (has_q) {
+    check(*q, "q", torch::kFloat32, 3);
+    TORCH_CHECK(q->size(0) == B && q->size(1) == K && q->size(2) >= V, "q must be [B, K, >= vocab_size]");
+    qc = q->contiguous();
+  }
+  const auto lc = logits.contiguous(), dc = draft_ids.contiguous(), nc = num_draft.contiguous();
+  const auto uc = uniforms.contiguous(), tc = temperature.contiguous();
+  const float *lp = lc.data_ptr<float>(), *up = uc.data_ptr<float>(), *tp = tc.data_ptr<float>();
+  const float* qp = has_q ? qc.data_ptr<float>() : nullptr;
+  const int64_t *xp = dc.data_ptr<int64_t>(), *np = nc.data_ptr<int64_t>();
+  const int64_t ld = lc.size(2), qld = has_q ? qc.size(2) : 0, chunks = (V + CHUNK - 1) / CHUNK;
+  std::vector<float> inv_t(B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(np[b] >= 0 && np[b] <= K, "num_draft[", b, "] = ", np[b], " is outside [0, ", K, "]");
+    TORCH_CHECK(tp[b] >= 0.f && std::isfinite(tp[b]), "temperature[", b, "] must be finite and >= 0");
+    inv_t[b] = tp[b] == 0.f ? 0.f : 1.f / tp[b];
+  }
+  const auto row = [&](int64_t b, int64_t k) { return lp + (b * N + k) * ld; };
+  // 1. Statistics of every row a verdict may read (rows 0..n of each request), chunk by chunk.
+  std::vector<int64_t> first(B + 1, 0);  // request b's rows are tasks [first[b], first[b + 1]) / chunks
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (np[b] + 1) * chunks;
+  std::vector<ChunkStat> st(first[B]);
+  at::parallel_for(0, first[B], 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const int64_t k = (t - first[b]) / chunks, c = (t - first[b]) % chunks;
+      st[t] = chunk_stat(row(b, k), c * CHUNK, std::min(V, (c + 1) * CHUNK), inv_t[b]);
+    }
+  });
+  std::vector<std::vector<RowStat>> rs(B);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t k = 0; k <= np[b]; ++k) rs[b].push_back(combine(st.data() + first[b] + k * chunks, chunks, inv_t[b]));
+  // 2. Acceptance, request by request (scalar), and which row the final token is drawn from.
+  auto accepted = torch::zeros({B}, torch::kInt64);
+  auto final_ids = torch::zeros({B}, torch::kInt64);
+  int64_t *ap = accepted.data_ptr<int64_t>(), *fp = final_ids.data_ptr<int64_t>();
+  std::vector<int64_t> draw_row(B, -1);  // T > 0 rejection: the row to draw from (-1: none)
+  std::vector<int64_t> match_rows(B, 0);  // T > 0 without q: rows 0..n all drawn
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = np[b];
+    const int64_t* x = xp + b * K;
+    int64_t a = 0;
+    if (inv_t[b] == 0.f) {
+      while (a < n && x[a] == rs[b][a].arg) ++a;
+      ap[b] = a, fp[b] = rs[b][a].arg;
+    } else if (has_q) {
+      while (a < n && x[a] >= 0 && x[a] < V &&
+             static_cast<double>(up[b * (K + 1) + a]) * qp[(b * K + a) * qld + x[a]] < prob(row(b, a), x[a], rs[b][a], inv_t[b]))
+        ++a;
+      ap[b] = a, draw_row[b] = a;
+    } else {
+      match_rows[b] = n + 1;
+    }
+  }
+  // 3. The draws: one row per rejection-sampled request, every row of a matched one, each row's
+  //    weights computed chunk by chunk (in parallel), then drawn in order.
+  std::vector<std::tuple<int64_t, int64_t>> draws;  // (request, row)
+  for (int64_t b = 0; b < B; ++b) {
+    if (draw_row[b] >= 0) draws.emplace_back(b, draw_row[b]);
+    for (int64_t k = 0; k < match_rows[b]; ++k) draws.emplace_back(b, k);
+  }
+  const int64_t D = static_cast<int64_t>(draws.size());
+  if (D == 0) return {accepted, final_ids};
+  std::vector<float> w(D * V);
+  std::vector<double> sums(D * chunks);
+  at::parallel_for(0, D * chunks, 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t) {
+      const int64_t d = t / chunks, c = t % chunks;
+      const auto [b, k] = draws[d];
+      // the residual max(0, p - q) after a rejection (k < n); p itself for a bonus or a match draw
+      const float* qr = has_q && k < np[b] ? qp + (b * K + k) * qld : nullptr;
+      sums[t] = chunk_weights(row(b, k), qr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b],
+                              w.data() + d * V);
+    }
+  });
+  std::vector<int64_t> drawn(D);
+  for (int64_t d = 0; d < D; ++d) {
+    const auto [b, k] = draws[d];
+    const float* wd = w.data() + d * V;
+    const double* sd = sums.data() + d * chunks;
+    double mass = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) mass += sd[c];
+    const float u = has_q ? up[b * (K + 1) + K] : up[b * (K + 1) + k];
+    if (mass <= 0.0) {  // p == q: a rejection only rounding can cause; p is the answer
+      std::vector<double> ps(chunks);
+      std::vector<float> pw(V);
+      for (int64_t c = 0; c < chunks; ++c)
+        ps[c] = chunk_weights(row(b, k), nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b], pw.data());
+      drawn[d] = draw(pw.data(), ps.data(), chunks, V, u);
+    } else {
+      drawn[d] = draw(wd, sd, chunks, V, u);
+    }
+  }
+  std::vector<char> open(B, 1);  // a matched request not yet decided
+  for (int64_t d = 0; d < D; ++d) {  // draws run row by row within a request
+    const auto [b, k] = draws[d];
+    if (draw_row[b] >= 0) {
+      fp[b] = drawn[d];
+    } else if (open[b] && !(k < np[b] && drawn[d] == xp[b * K + k])) {  // y_k != x_k, or the bonus row
+      ap[b] = k, fp[b] = drawn[d], open[b] = 0;
+    }
+  }
+  return {accepted, final_ids};
+}
+
+TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("row_argmax(Tensor x, int vocab_size) -> Tensor");
+  m.def("verify_chain(Tensor logits, Tensor draft_ids, Tensor num_draft, Tensor? q, Tensor uniforms, "
+        "Tensor temperature, int vocab_size) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
+  m.impl("row_argmax", &row_argmax);
+  m.impl("verify_chain", &verify_chain);
+}

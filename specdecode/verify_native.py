@@ -1,0 +1,67 @@
+"""The verify step's chains and argmaxes on our CPU kernel (`models/kernels/verify.cpp`).
+
+Contract:
+- `native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size)` returns
+  (num_accepted [B], final_ids [B]) long on the CPU: the verdict `verify.verify_chain` (q given)
+  or `verify.verify_chain_match` (q None) would give, with every request greedy or sampling at a
+  plain temperature, or None where the kernel does not apply (kernels absent or switched off,
+  tensors not on the CPU, top-k / top-p in some request); the caller then takes the tensor path.
+  The uniforms are laid out as `verify.step_uniforms` lays them out for that mode.
+- `argmax_ids(logits [..., V'], vocab_size)` -> [...] long: the first largest logit among the
+  first vocab_size ids (torch.argmax's choice), on the kernel where it applies.
+What changes against the tensor path: the target's probabilities are softmax up to rounding (the
+kernel's exponential, sums in fixed chunks), so a sampled request may draw another id where a
+uniform falls within rounding of a boundary; greedy verdicts are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.models import kernels
+from specdecode.sampling import plain_temperature
+
+
+def _ops(*tensors: torch.Tensor):
+    ops = kernels.fused()
+    if ops is None or not all(t.device.type == "cpu" for t in tensors):
+        return None
+    return ops
+
+
+def argmax_ids(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:  # [..., V'] -> [...]
+    V = logits.shape[-1] if vocab_size is None else vocab_size
+    ops = _ops(logits) if logits.dtype == torch.float32 and logits.numel() else None
+    if ops is None:
+        return logits[..., :V].argmax(dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1])  # a view of the model's contiguous logits
+    return ops.row_argmax(flat, V).view(logits.shape[:-1])
+
+
+def native_chain(
+    logits: torch.Tensor,  # [B, K+1, V'] the target's logits at the verify block
+    draft_ids: torch.Tensor,  # [B, K] long
+    num_draft: torch.Tensor,  # [B] long
+    q: torch.Tensor | None,  # [B, K, >= vocab_size] the drafts' distributions; None = point masses
+    uniforms: torch.Tensor,  # [B, K+1]
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not all(p.greedy or plain_temperature(p, vocab_size) for p in params):
+        return None
+    ops = _ops(logits, *(() if q is None else (q,)))
+    if ops is None:
+        return None
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)  # 0 = greedy
+    return ops.verify_chain(
+        logits.float(),
+        draft_ids.cpu().long(),
+        num_draft.cpu().long(),
+        None if q is None else q.float(),
+        uniforms.float(),
+        temps,
+        vocab_size,
+    )

@@ -1,0 +1,127 @@
+"""verify_native: our CPU kernel's chain verdicts against the tensor path of specdecode.verify.
+
+Greedy verdicts and argmaxes must be identical; sampled verdicts (rejection and sample-then-match)
+must be the tensor path's for the same uniforms except where a uniform falls within rounding of a
+boundary, and a request's verdict must not depend on its batch or on the number of threads. The
+loop-level distribution tests (tests/stat) check the kernel's losslessness at T = 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.models import kernels
+from specdecode.sampling import process_logits_batch
+from specdecode.verify import verify_chain, verify_chain_match, verify_greedy
+from specdecode.verify_native import argmax_ids, native_chain
+
+pytestmark = pytest.mark.skipif(kernels.fused() is None, reason="our CPU kernels are not built here")
+
+
+def _case(B, K, V, pad=0, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K + 1, V + pad, generator=g) * scale
+    logits[..., V:] = 50.0  # padded head rows: larger than any real logit, never chosen
+    q = torch.softmax(torch.randn(B, K, V + pad, generator=g) * scale, -1)
+    q[..., V:] = 0.0
+    q = q / q.sum(-1, keepdim=True)
+    ids = torch.multinomial(q.reshape(-1, V + pad), 1, generator=g).view(B, K)
+    return logits, q, ids, g
+
+
+def test_argmax_is_torch_argmax_with_ties_padding_and_nan():
+    logits, _, _, _ = _case(4, 6, 9000, pad=13)
+    logits[0, 1, 4100] = logits[0, 1, 8000] = 100.0  # equal maxima in two chunks: the first
+    logits[1, 2, :9000] = 0.0  # all equal: id 0
+    logits[2, 0, 5000] = float("nan")  # torch.argmax takes the (first) NaN
+    logits[2, 0, 7000] = float("nan")
+    got = argmax_ids(logits, 9000)
+    assert torch.equal(got, logits[..., :9000].argmax(-1))
+    assert got[0, 1] == 4100 and got[1, 2] == 0 and got[2, 0] == 5000
+
+
+@pytest.mark.parametrize("K", [0, 1, 5])
+def test_greedy_verdicts_are_the_tensor_path(K):
+    for seed in range(20):
+        logits, _, ids, g = _case(3, K, 5000, pad=5, seed=seed)
+        target = logits[..., :5000].argmax(-1)
+        ids = torch.where(torch.rand(3, K, generator=g) < 0.7, target[:, :K], ids)  # long accepted runs
+        nd = torch.randint(0, K + 1, (3,), generator=g)
+        params = [SamplingParams()] * 3
+        acc, final = native_chain(logits, ids, nd, None, torch.rand(3, K + 1, generator=g), params, 5000)
+        ref = verify_greedy(ids, logits, nd, 5000)
+        assert torch.equal(acc, ref.num_accepted)
+        assert torch.equal(final, ref.emitted_ids.gather(1, acc[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("mode", ["rejection", "match"])
+def test_sampled_verdicts_are_the_tensor_paths_for_the_same_uniforms(mode):
+    """Mixed batch: T 1, T 0.6, a greedy row, rows without drafts; 400 uniforms draws each."""
+    B, K, V = 5, 4, 3000
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.6, 0.0, 1.0, 0.6)]
+    nd = torch.tensor([4, 3, 4, 0, 2])
+    logits, q, ids, g = _case(B, K, V, pad=8, seed=1, scale=2.0 if mode == "rejection" else 6.0)
+    q_arg = q if mode == "rejection" else None
+    if mode == "match":  # point-mass drafts on the target's mode: matched often
+        ids = logits[:, :K, :V].argmax(-1)
+    p = process_logits_batch(logits, params, V)
+    same = total = 0
+    accepted = 0
+    for _ in range(400):
+        u = torch.rand(B, K + 1, generator=g)
+        acc, final = native_chain(logits, ids, nd, q_arg, u, params, V)
+        if mode == "rejection":
+            ref = verify_chain(ids, q, p, u, nd)
+        else:
+            ref = verify_chain_match(ids, p, u, nd)
+        ref_final = ref.emitted_ids.gather(1, ref.num_accepted[:, None])[:, 0]
+        same += int(((acc == ref.num_accepted) & (final == ref_final)).sum())
+        total += B
+        accepted += int(acc.sum())
+        assert bool((final < V).all()) and bool((acc <= nd).all())
+    assert accepted > 0
+    assert same >= total - 2, f"{total - same} of {total} verdicts differ from the tensor path"
+
+
+def test_a_verdict_does_not_depend_on_the_batch_or_the_threads():
+    B, K, V = 6, 5, 20000
+    logits, q, ids, g = _case(B, K, V, seed=2)
+    params = [SamplingParams(temperature=1.0)] * B
+    nd = torch.tensor([5, 5, 2, 0, 5, 3])
+    u = torch.rand(B, K + 1, generator=g)
+    acc, final = native_chain(logits, ids, nd, q, u, params, V)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        acc1, final1 = native_chain(logits, ids, nd, q, u, params, V)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(acc, acc1) and torch.equal(final, final1)
+    for b in range(B):
+        one = slice(b, b + 1)
+        a, f = native_chain(logits[one], ids[one], nd[one], q[one], u[one], params[:1], V)
+        assert (int(a), int(f)) == (int(acc[b]), int(final[b]))
+
+
+def test_not_applicable_where_the_kernel_does_not_cover_the_request():
+    logits, q, ids, _ = _case(2, 2, 100)
+    u, nd = torch.rand(2, 3), torch.tensor([2, 2])
+    top_p = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
+    assert native_chain(logits, ids, nd, q, u, top_p, 100) is None  # top-p: the tensor path
+    top_k = [SamplingParams(temperature=1.0, top_k=5)] * 2
+    assert native_chain(logits, ids, nd, q, u, top_k, 100) is None
+    plain = [SamplingParams(temperature=1.0)] * 2
+    assert native_chain(logits, ids, nd, q, u, plain, 100) is not None
+
+
+def test_bad_input_is_refused_with_a_message():
+    logits, q, ids, _ = _case(1, 2, 100)
+    ops = kernels.fused()
+    with pytest.raises(RuntimeError, match="num_draft"):
+        ops.verify_chain(logits, ids, torch.tensor([3]), q, torch.rand(1, 3), torch.ones(1), 100)
+    with pytest.raises(RuntimeError, match="temperature"):
+        ops.verify_chain(logits, ids, torch.tensor([2]), q, torch.rand(1, 3), torch.tensor([-1.0]), 100)
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.verify_chain(logits, ids, torch.tensor([2]), q[..., :50], torch.rand(1, 3), torch.ones(1), 100)
