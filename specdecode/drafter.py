@@ -61,6 +61,9 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, K] long, rows right-padded with 0 beyond num_draft
     num_draft: torch.Tensor  # [B] long (host)
     draft_probs: torch.Tensor | None = None  # [B, K, V] fp32 processed q; None = point mass
+    # With a reduced draft vocabulary, draft_probs may be [B, K, Vd] over these target ids (q is 0
+    # elsewhere): the verifier reads it so (`dense_probs` scatters it for the tensor path).
+    draft_vocab: torch.Tensor | None = None  # [Vd] long
     # A tree instead of a chain: node k's parent (-1 = the last committed token), parents before
     # children; with draft_probs, row k holds the q node k was drawn from (q at its parent).
     parents: torch.Tensor | None = None  # [B, K] long
@@ -73,6 +76,14 @@ class Proposal:
     @property
     def max_k(self) -> int:
         return self.draft_ids.shape[1]
+
+    def dense_probs(self, vocab_rows: int) -> torch.Tensor | None:
+        """draft_probs over the target's vocabulary rows, [B, K, vocab_rows] (None: point masses)."""
+        q = self.draft_probs
+        if q is None or self.draft_vocab is None:
+            return q
+        full = torch.zeros(*q.shape[:-1], vocab_rows, dtype=q.dtype, device=q.device)
+        return full.index_copy_(-1, self.draft_vocab.to(q.device), q)
 
 
 def empty_proposal(batch_size: int, device: torch.device | str = "cpu") -> Proposal:

@@ -471,12 +471,15 @@ def verify_step(
     if tree_ids is None:  # a chain: our CPU kernel where it applies (verify_native)
         u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain")
         q = None if keyed else proposal.draft_probs
-        got = native_chain(logits, proposal.draft_ids, num_draft, q, u, params, vocab_size)
+        got = native_chain(
+            logits, proposal.draft_ids, num_draft, q, u, params, vocab_size, proposal.draft_vocab
+        )
         if got is not None:
             return _native_verdicts(proposal.draft_ids.cpu(), *got, nd)
     target_probs = process_logits_batch(logits, list(params), vocab_size)  # [B, K+1, V]
     dev = target_probs.device
-    q = None if proposal.draft_probs is None else proposal.draft_probs.to(dev)  # [B, K, V]
+    q = proposal.dense_probs(logits.shape[-1])  # [B, K, V] or None
+    q = None if q is None else q.to(dev)
     if tree_ids is not None:
         u = step_uniforms(streams, positions, nd, k, "tree").to(dev)
         v = verify_tree_batch(proposal.parents, tree_ids.to(dev), q, target_probs, u, proposal.tree_iid)

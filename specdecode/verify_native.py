@@ -1,12 +1,14 @@
 """The verify step's chains and argmaxes on our CPU kernel (`models/kernels/verify.cpp`).
 
 Contract:
-- `native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size)` returns
+- `native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None)` returns
   (num_accepted [B], final_ids [B]) long on the CPU: the verdict `verify.verify_chain` (q given)
   or `verify.verify_chain_match` (q None) would give, with every request greedy or sampling at a
   plain temperature, or None where the kernel does not apply (kernels absent or switched off,
   tensors not on the CPU, top-k / top-p in some request); the caller then takes the tensor path.
-  The uniforms are laid out as `verify.step_uniforms` lays them out for that mode.
+  The uniforms are laid out as `verify.step_uniforms` lays them out for that mode. q spans the
+  target's ids, or with q_ids [Vd] (`Proposal.draft_vocab`) a draft vocabulary: column j is
+  target id q_ids[j], every other id has q = 0.
 - `argmax_ids(logits [..., V'], vocab_size)` -> [...] long: the first largest logit among the
   first vocab_size ids (torch.argmax's choice), on the kernel where it applies.
 What changes against the tensor path: the target's probabilities are softmax up to rounding (the
@@ -45,10 +47,11 @@ def native_chain(
     logits: torch.Tensor,  # [B, K+1, V'] the target's logits at the verify block
     draft_ids: torch.Tensor,  # [B, K] long
     num_draft: torch.Tensor,  # [B] long
-    q: torch.Tensor | None,  # [B, K, >= vocab_size] the drafts' distributions; None = point masses
+    q: torch.Tensor | None,  # [B, K, >= vocab_size | Vd] the drafts' distributions; None = point masses
     uniforms: torch.Tensor,  # [B, K+1]
     params: Sequence[SamplingParams],
     vocab_size: int,
+    q_ids: torch.Tensor | None = None,  # [Vd] long: q's columns' target ids (None: q spans V)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not all(p.greedy or plain_temperature(p, vocab_size) for p in params):
         return None
@@ -64,4 +67,5 @@ def native_chain(
         uniforms.float(),
         temps,
         vocab_size,
+        None if q is None or q_ids is None else q_ids.cpu().long(),
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.drafter import Proposal
 from specdecode.models import kernels
 from specdecode.sampling import process_logits_batch
 from specdecode.verify import verify_chain, verify_chain_match, verify_greedy
@@ -125,3 +126,65 @@ def test_bad_input_is_refused_with_a_message():
         ops.verify_chain(logits, ids, torch.tensor([2]), q, torch.rand(1, 3), torch.tensor([-1.0]), 100)
     with pytest.raises(RuntimeError, match="q must be"):
         ops.verify_chain(logits, ids, torch.tensor([2]), q[..., :50], torch.rand(1, 3), torch.ones(1), 100)
+
+
+def test_draft_vocabulary_q_gives_the_dense_q_verdicts():
+    """q over a draft vocabulary (q_ids: its columns' target ids, unsorted, one past the
+    vocabulary) decides exactly as the same q scattered to the target's ids."""
+    B, K, V, Vd = 3, 4, 6000, 700
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(B, K + 1, V + 4, generator=g) * 2
+    q_ids = torch.randperm(V, generator=g)[:Vd]
+    q_ids[-1] = V + 2  # a padded head row: never emittable, p is 0 there
+    qc = torch.softmax(torch.randn(B, K, Vd, generator=g) * 3, -1)
+    dense = torch.zeros(B, K, V + 4).index_copy_(-1, q_ids, qc)
+    ids = q_ids[torch.multinomial(qc[..., :-1].reshape(-1, Vd - 1), 1, generator=g).view(B, K)]
+    ids[0, 1] = int(torch.tensor([i for i in range(V) if i not in set(q_ids.tolist())][0]))  # q = 0 there
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.0)]
+    nd = torch.tensor([4, 2, 3])
+    accepted = 0
+    for _ in range(200):
+        u = torch.rand(B, K + 1, generator=g)
+        a1, f1 = native_chain(logits, ids, nd, qc, u, params, V, q_ids)
+        a2, f2 = native_chain(logits, ids, nd, dense, u, params, V)
+        assert torch.equal(a1, a2) and torch.equal(f1, f2)
+        accepted += int(a1.sum())
+    assert accepted > 0
+
+
+def test_a_proposal_scatters_its_draft_vocabulary_q_for_the_tensor_path():
+    q = torch.softmax(torch.randn(2, 3, 5), -1)
+    vocab = torch.tensor([7, 1, 4, 9, 0])
+    prop = Proposal(torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 3]), q, draft_vocab=vocab)
+    dense = prop.dense_probs(12)
+    assert dense.shape == (2, 3, 12) and torch.equal(dense[..., vocab], q)
+    assert float(dense.sum()) == pytest.approx(6.0) and bool((dense[..., [2, 3, 5, 6, 8, 10, 11]] == 0).all())
+    assert Proposal(prop.draft_ids, prop.num_draft, q).dense_probs(12) is q  # dense already
+
+
+def test_verify_step_reads_a_draft_vocabulary_q_on_both_paths():
+    """verify_step with q over a draft vocabulary gives the dense-q verdicts on the kernel (plain
+    temperature) and on the tensor path (top-p), for the same request randomness."""
+    from specdecode.verify import verify_step
+
+    class Stream:
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(9)
+
+        def sample_uniforms(self, start, n):
+            return torch.rand(n, generator=self.generator)
+
+    V, Vd, K = 500, 60, 3
+    g = torch.Generator().manual_seed(5)
+    vocab = torch.randperm(V, generator=g)[:Vd]
+    qc = torch.softmax(torch.randn(1, K, Vd, generator=g) * 2, -1)
+    ids = vocab[torch.multinomial(qc[0], 1, generator=g).view(1, K)]
+    dense = torch.zeros(1, K, V).index_copy_(-1, vocab, qc)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.95)):
+        for trial in range(30):
+            logits = torch.randn(1, K + 1, V, generator=g) * 2
+            got = []
+            for q, dv in ((qc, vocab), (dense, None)):
+                prop = Proposal(ids, torch.tensor([K]), q, draft_vocab=dv)
+                got.append(verify_step(prop, logits, [params], [Stream()], [trial], V)[0].emitted_ids)
+            assert got[0] == got[1]

@@ -22,7 +22,8 @@ Contract:
   tokenizer cannot emit masked), exactly the probabilities processing the full-vocabulary
   logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `argmax` the id
   that processing at temperature 0 keeps; `to_target(ids)`
-  maps sampled draft ids; `to_full(q)` scatters once, for the verifier.
+  maps sampled draft ids; `to_full(q)` scatters q to the target vocabulary (for proposals that
+  carry it dense).
 - `shifted_kl(draft, target, loss_mask, lengths, shift, head)`: the distillation loss every
   learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
   the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
@@ -358,7 +359,7 @@ def draft_to_full_logits(small: torch.Tensor, d2t: torch.Tensor, vocab_rows: int
 
 
 class DraftVocab:
-    """A reduced draft vocabulary: processing and sampling in Vd ids, one scatter to V at the end."""
+    """A reduced draft vocabulary: processing and sampling in Vd ids."""
 
     def __init__(self, d2t: torch.Tensor, vocab_size: int, vocab_rows: int) -> None:
         self.d2t = d2t  # [Vd] target id of each draft id

@@ -214,8 +214,8 @@ class VerifierSpy:
 
     def _native(self, real):
         # our CPU kernel's chains (verify_native): the same tally, and the same broken re-draw
-        def native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size):
-            got = real(logits, draft_ids, num_draft, q, uniforms, params, vocab_size)
+        def native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None):
+            got = real(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids)
             if got is None:
                 return None  # the loop takes the tensor path, spied above
             acc, final = got

@@ -15,11 +15,12 @@ Contract:
   (the request's temperature / top-k / top-p); draft k is sampled from q_k with the request's
   generator (exactly `num_draft[b]` uniforms per request) and q_k is returned for rejection
   sampling. DFlash slots are independent given the context, so every q_k is known at once.
-  Processing and sampling run over the Vd draft ids (`DraftVocab`); q is scattered to the
-  target vocabulary once per round, for the verifier. When every request of the batch is greedy,
-  draft k is the argmax and the proposal carries point masses (`draft_probs` None: what
-  temperature 0 processing gives, and what greedy verification reads) without the processing
-  and without uniforms (a greedy request's generator decides nothing).
+  Processing and sampling run over the Vd draft ids (`DraftVocab`); q goes to the verifier
+  over the draft ids (`Proposal.draft_vocab`: no scatter to the target vocabulary). When
+  every request of the batch is greedy, draft k is the argmax and the proposal carries point
+  masses (`draft_probs` None: what temperature 0 processing gives, and what greedy
+  verification reads) without the processing and without uniforms (a greedy request's
+  generator decides nothing).
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
@@ -211,16 +212,15 @@ class DFlashDrafter(Drafter):
         num = [min(num_draft[b], self.net.cfg.num_drafts) for b in idx]
         states = self._block_states(batch, idx)
         ids, q, num, extras = self._draft(batch, idx, states, num)  # [B', K] ...
-        draft_probs = None if q is None else self.vocab.to_full(q.float()).cpu()  # [B', K, V] or None
+        draft_probs = None if q is None else q.float().cpu()  # [B', K, Vd] over self.vocab.d2t, or None
         n = torch.tensor(num)
         if len(idx) < len(batch):  # rows of the requests that draft -> rows of the whole batch
             sel = torch.tensor(idx)
             ids, n = _scatter_rows(ids, sel, len(batch)), _scatter_rows(n, sel, len(batch))
             draft_probs = None if draft_probs is None else _scatter_rows(draft_probs, sel, len(batch))
             extras = {key: _scatter_rows(val.cpu(), sel, len(batch)) for key, val in extras.items()}
-        return Proposal(
-            draft_ids=ids, num_draft=n, draft_probs=draft_probs, extras=extras, catch_up_s=catch_up_s
-        )
+        vocab = None if draft_probs is None else self.vocab.d2t
+        return Proposal(ids, n, draft_probs, draft_vocab=vocab, extras=extras, catch_up_s=catch_up_s)
 
     # ---- advance --------------------------------------------------------------------------
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:

@@ -6,8 +6,8 @@ Contract:
   k = 1..K in order: c_k = sigmoid(conf([h_k ; W1[x_{k-1}]]) / sts_temperature[k] + sts_bias[k]) (x_0 = the
   anchor), then x_k is sampled from q_k = process(U_k + W2(W1[x_{k-1}])) with the request's
   generator; q_k, the corrected distribution, is what rejection sampling uses. The pass runs
-  over the Vd draft ids (a drafted token is its own Markov input); q is scattered to the
-  target vocabulary once per round (DFlashDrafter.propose). W2(W1[x]) is read from
+  over the Vd draft ids (a drafted token is its own Markov input); q goes to the verifier in
+  the draft vocabulary (`Proposal.draft_vocab`, DFlashDrafter.propose). W2(W1[x]) is read from
   `DSpark.markov_table()` (one row gathered per slot, in the network's format) when the table
   fits `MARKOV_TABLE_BYTES`, else computed per slot. With every request greedy and no
   threshold, the pass over a CPU table is one compiled call (`markov_argmax`: the same fp32

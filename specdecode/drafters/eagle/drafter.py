@@ -11,7 +11,7 @@ Contract:
   (catch-up, one batched forward), which also yields the state the first draft comes from.
 - Chain (`tree=None`): K drafts sampled left to right from the drafter's processed q (the
   request's temperature / top-k / top-p), processed and sampled in the draft vocabulary
-  (`DraftVocab`); q is scattered to the full vocabulary once, for rejection sampling. Each
+  (`DraftVocab`); q goes to rejection sampling over the draft ids (`Proposal.draft_vocab`). Each
   later draft is one batched forward of one row per request that attends to the committed
   rows and the request's earlier draft rows (written past the committed length, never
   committed). When every request of the batch is greedy, each draft is the argmax and the
@@ -282,12 +282,13 @@ class EagleDrafter(Drafter):
         sel = torch.tensor(idx)
         draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
         draft_ids[sel] = torch.stack(xs, 1).cpu()
-        draft_probs = None  # greedy rounds: point masses
+        draft_probs = vocab = None  # greedy rounds: point masses
         if qs:
-            draft_probs = torch.zeros(len(batch), max_k, self.vocab_rows)  # [B, K, V]
-            draft_probs[sel] = self.vocab.to_full(torch.stack(qs, 1)).cpu()  # the verifier's vocabulary
+            q = torch.stack(qs, 1).float().cpu()  # [B', K, Vd] over the draft vocabulary's target ids
+            draft_probs, vocab = q.new_zeros(len(batch), max_k, q.shape[-1]), self.vocab.d2t
+            draft_probs[sel] = q
         num = torch.tensor([max(k, 0) if b in idx else 0 for b, k in enumerate(num_draft)])
-        return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs)
+        return Proposal(draft_ids=draft_ids, num_draft=num, draft_probs=draft_probs, draft_vocab=vocab)
 
     def _propose_tree(self, batch: list[DraftRow], idx: list[int], num_draft: list[int]) -> Proposal:
         """EAGLE-2 dynamic tree, one request at a time (trees differ in shape per request)."""

@@ -8,9 +8,11 @@
 //       (torch.argmax's choice, NaN largest)
 //   verify_chain(logits [B, N, V'] fp32, draft_ids [B, K] int64, num_draft [B] int64,
 //                q [B, K, Vq] fp32 | None, uniforms [B, K+1] fp32, temperature [B] fp32,
-//                vocab_size) -> (num_accepted [B] int64, final_ids [B] int64)
+//                vocab_size, q_ids [Vq] int64 | None) -> (num_accepted [B] int64, final_ids [B] int64)
 //       Request b drafted x_k = draft_ids[b, k] for k < n = num_draft[b] (N >= K + 1 rows of
-//       logits, ids < vocab_size count, Vq >= vocab_size). With T = temperature[b]:
+//       logits, ids < vocab_size count). q spans the target's ids (Vq >= vocab_size), or with
+//       q_ids a draft vocabulary: column j is target id q_ids[j], every other id has q = 0 (what
+//       the drafters' reduced vocabularies give, without scattering q to V). With T = temperature[b]:
 //       - T == 0: drafts are kept while x_k is the argmax of row k; the final token is the
 //         argmax of the row after them (the exact limit of rejection sampling, as
 //         verify.verify_greedy).
@@ -101,27 +103,30 @@ inline double prob(const float* x, int64_t id, const RowStat& r, float inv_t) {
   return std::exp(static_cast<double>(x[id] * inv_t) - static_cast<double>(r.mx * inv_t)) / r.z;
 }
 
-// Weights of one chunk [v0, v1) of the final distribution into w: p (q null) or max(0, p - q);
-// returns their sum (8 lanes, then in order).
-double chunk_weights(const float* x, const float* q, int64_t v0, int64_t v1, const RowStat& r, float inv_t,
-                     float* w) {
+// Weights of one chunk [v0, v1) of the final distribution into w: p (no q), or max(0, p - q)
+// with q a full row (`q`) or a draft-vocabulary row (`qc`, its id of target id v at t2q[v], -1
+// for none); returns their sum (8 lanes, then in order).
+double chunk_weights(const float* x, const float* q, const float* qc, const int32_t* t2q, int64_t v0, int64_t v1,
+                     const RowStat& r, float inv_t, float* w) {
   const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx * inv_t);
   const __m256 iz = _mm256_set1_ps(static_cast<float>(1.0 / r.z)), zero = _mm256_setzero_ps();
-  __m256 acc = zero;
   int64_t v = v0;
   for (; v + 8 <= v1; v += 8) {
     __m256 p = _mm256_mul_ps(exp_shifted(_mm256_mul_ps(_mm256_loadu_ps(x + v), it), m), iz);
     if (q) p = _mm256_max_ps(_mm256_sub_ps(p, _mm256_loadu_ps(q + v)), zero);
     _mm256_storeu_ps(w + v, p);
-    acc = _mm256_add_ps(acc, p);
   }
-  double s = hadd(acc);
   for (; v < v1; ++v) {
-    float p = static_cast<float>(prob(x, v, r, inv_t));
-    if (q) p = std::max(p - q[v], 0.f);
-    w[v] = p;
-    s += p;
+    w[v] = static_cast<float>(prob(x, v, r, inv_t));
+    if (q) w[v] = std::max(w[v] - q[v], 0.f);
   }
+  if (qc)
+    for (v = v0; v < v1; ++v)
+      if (t2q[v] >= 0) w[v] = std::max(w[v] - qc[t2q[v]], 0.f);
+  __m256 acc = zero;
+  for (v = v0; v + 8 <= v1; v += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w + v));
+  double s = hadd(acc);
+  for (; v < v1; ++v) s += w[v];
   return s;
 }
 
@@ -176,7 +181,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
                                                       const torch::Tensor& num_draft,
                                                       const c10::optional<torch::Tensor>& q,
                                                       const torch::Tensor& uniforms, const torch::Tensor& temperature,
-                                                      int64_t vocab_size) {
+                                                      int64_t vocab_size, const c10::optional<torch::Tensor>& q_ids) {
   check(logits, "logits", torch::kFloat32, 3);
   check(draft_ids, "draft_ids", torch::kInt64, 2);
   check(num_draft, "num_draft", torch::kInt64, 1);
@@ -188,11 +193,25 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
                   uniforms.size(0) == B && uniforms.size(1) == K + 1 && N >= K + 1,
               "draft_ids [B, K], num_draft [B], uniforms [B, K+1], temperature [B] and logits [B, >= K+1, V']");
   const bool has_q = q.has_value() && q->defined();
+  const bool compact = has_q && q_ids.has_value() && q_ids->defined();
   torch::Tensor qc;
+  std::vector<int32_t> t2q;  // compact q: target id -> q's column (-1: none)
   if (has_q) {
     check(*q, "q", torch::kFloat32, 3);
-    TORCH_CHECK(q->size(0) == B && q->size(1) == K && q->size(2) >= V, "q must be [B, K, >= vocab_size]");
+    TORCH_CHECK(q->size(0) == B && q->size(1) == K, "q must be [B, K, ...]");
+    TORCH_CHECK(compact || q->size(2) >= V, "q must be [B, K, >= vocab_size] (or give q_ids)");
     qc = q->contiguous();
+  }
+  if (compact) {
+    check(*q_ids, "q_ids", torch::kInt64, 1);
+    TORCH_CHECK(q_ids->size(0) == q->size(2), "q_ids must name each of q's ", q->size(2), " columns");
+    const auto ic = q_ids->contiguous();
+    const int64_t* ip = ic.data_ptr<int64_t>();
+    t2q.assign(V, -1);
+    for (int64_t j = 0; j < ic.size(0); ++j) {
+      TORCH_CHECK(ip[j] >= 0, "q_ids[", j, "] = ", ip[j], " is not a token id");
+      if (ip[j] < V) t2q[ip[j]] = static_cast<int32_t>(j);  // ids past the vocabulary: p is 0 there
+    }
   }
   const auto lc = logits.contiguous(), dc = draft_ids.contiguous(), nc = num_draft.contiguous();
   const auto uc = uniforms.contiguous(), tc = temperature.contiguous();
@@ -235,9 +254,12 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       while (a < n && x[a] == rs[b][a].arg) ++a;
       ap[b] = a, fp[b] = rs[b][a].arg;
     } else if (has_q) {
-      while (a < n && x[a] >= 0 && x[a] < V &&
-             static_cast<double>(up[b * (K + 1) + a]) * qp[(b * K + a) * qld + x[a]] < prob(row(b, a), x[a], rs[b][a], inv_t[b]))
+      while (a < n && x[a] >= 0 && x[a] < V) {
+        const float* qr = qp + (b * K + a) * qld;
+        const float qx = !compact ? qr[x[a]] : t2q[x[a]] >= 0 ? qr[t2q[x[a]]] : 0.f;
+        if (!(static_cast<double>(up[b * (K + 1) + a]) * qx < prob(row(b, a), x[a], rs[b][a], inv_t[b]))) break;
         ++a;
+      }
       ap[b] = a, draw_row[b] = a;
     } else {
       match_rows[b] = n + 1;
@@ -260,8 +282,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       const auto [b, k] = draws[d];
       // the residual max(0, p - q) after a rejection (k < n); p itself for a bonus or a match draw
       const float* qr = has_q && k < np[b] ? qp + (b * K + k) * qld : nullptr;
-      sums[t] = chunk_weights(row(b, k), qr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b],
-                              w.data() + d * V);
+      sums[t] = chunk_weights(row(b, k), compact ? nullptr : qr, compact ? qr : nullptr, t2q.data(), c * CHUNK,
+                              std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b], w.data() + d * V);
     }
   });
   std::vector<int64_t> drawn(D);
@@ -276,7 +298,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       std::vector<double> ps(chunks);
       std::vector<float> pw(V);
       for (int64_t c = 0; c < chunks; ++c)
-        ps[c] = chunk_weights(row(b, k), nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b], pw.data());
+        ps[c] = chunk_weights(row(b, k), nullptr, nullptr, nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k],
+                              inv_t[b], pw.data());
       drawn[d] = draw(pw.data(), ps.data(), chunks, V, u);
     } else {
       drawn[d] = draw(wd, sd, chunks, V, u);
@@ -297,7 +320,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("row_argmax(Tensor x, int vocab_size) -> Tensor");
   m.def("verify_chain(Tensor logits, Tensor draft_ids, Tensor num_draft, Tensor? q, Tensor uniforms, "
-        "Tensor temperature, int vocab_size) -> (Tensor, Tensor)");
+        "Tensor temperature, int vocab_size, Tensor? q_ids=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
