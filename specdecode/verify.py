@@ -23,15 +23,17 @@ The loop's entry point is `verify_step(proposal, logits, params, streams, positi
 owns the uniforms, the greedy paths (`verify_greedy`, `verify_tree_greedy`: no uniforms, no
 one-hot distributions), chains and batched trees (`verify_tree_batch`, rows of different
 shapes), and returns one `Verdict` per request
-(emitted ids, kept verify-block rows, drafts verified, depth). Chains whose requests are all
-greedy or plain-temperature go to our CPU kernel where it applies (`verify_native`: the same
-verdicts without vocabulary-sized tensors; greedy ones identical), the rest to the tensor path.
+(emitted ids, kept verify-block rows, drafts verified, depth). Chains of greedy or
+plain-temperature requests go to our CPU kernel where it applies (`verify_native`: the same
+verdicts without vocabulary-sized tensors; greedy ones identical), the rest to the tensor path;
+a batch that mixes both is split, so a request's verdict does not depend on its neighbours.
 
 Acceptance is tested as `u * q(x) < p(x)`, i.e. u < min(1, p(x) / q(x)) without a division.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,7 +44,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafter import Proposal
 from specdecode.sampling import process_logits_batch, sample
 from specdecode.tree import DraftTree, validate_parents
-from specdecode.verify_native import argmax_ids, native_chain
+from specdecode.verify_native import argmax_ids, native_chain, native_rows
 
 __all__ = [
     "Verdict",
@@ -469,6 +471,9 @@ def verify_step(
         return [Verdict(e, kept, nd[b], depth) for b, (e, kept, depth) in enumerate(rows)]
     keyed = mode == "match" or proposal.draft_probs is None
     if tree_ids is None:  # a chain: our CPU kernel where it applies (verify_native)
+        fast = native_rows(params, vocab_size, logits, proposal.draft_probs)
+        if 0 < len(fast) < len(nd):  # a mixed batch: each part down its own path, in row order
+            return _split_verdicts(fast, proposal, logits, params, streams, positions, vocab_size, mode)
         u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain")
         q = None if keyed else proposal.draft_probs
         got = native_chain(
@@ -496,6 +501,29 @@ def verify_step(
     else:
         v = verify_chain(draft_ids, q, target_probs, u, num_draft.to(dev))
     return _chain_verdicts(v, nd)
+
+
+def _split_verdicts(fast: list[int], proposal: Proposal, logits, params, streams, positions, *how):
+    """verify_step on the rows our kernel covers and on the others (`how`: vocab_size, mode), each
+    request with its own randomness as in one call (its stream's uniforms, laid out at the same K)."""
+    out: list[Verdict | None] = [None] * len(params)
+    for rows in (fast, [b for b in range(len(params)) if b not in set(fast)]):
+        idx = torch.tensor(rows)
+
+        def take(t, idx=idx):
+            return None if t is None else t[idx.to(t.device)]
+
+        sub = dataclasses.replace(
+            proposal,
+            draft_ids=take(proposal.draft_ids),
+            num_draft=take(proposal.num_draft),
+            draft_probs=take(proposal.draft_probs),
+        )
+        pick = [(params[b], streams[b], positions[b]) for b in rows]
+        part = verify_step(sub, take(logits), *map(list, zip(*pick, strict=True)), *how)
+        for b, v in zip(rows, part, strict=True):
+            out[b] = v
+    return out
 
 
 def _native_verdicts(

@@ -9,6 +9,10 @@ Contract:
   The uniforms are laid out as `verify.step_uniforms` lays them out for that mode. q spans the
   target's ids, or with q_ids [Vd] (`Proposal.draft_vocab`) a draft vocabulary: column j is
   target id q_ids[j], every other id has q = 0.
+- `native_rows(params, vocab_size, logits, q)` -> the rows (requests) the kernel verifies: those
+  greedy or at a plain temperature, none where the kernel does not apply. `verify.verify_step`
+  sends a mixed batch's two parts down their two paths, so a request's verdict never depends on
+  its neighbours' settings.
 - `argmax_ids(logits [..., V'], vocab_size)` -> [...] long: the first largest logit among the
   first vocab_size ids (torch.argmax's choice), on the kernel where it applies.
 What changes against the tensor path: the target's probabilities are softmax up to rounding (the
@@ -34,6 +38,18 @@ def _ops(*tensors: torch.Tensor):
     return ops
 
 
+def _covered(p: SamplingParams, vocab_size: int) -> bool:
+    return p.greedy or plain_temperature(p, vocab_size)
+
+
+def native_rows(
+    params: Sequence[SamplingParams], vocab_size: int, logits: torch.Tensor, q: torch.Tensor | None
+) -> list[int]:
+    if _ops(logits, *(() if q is None else (q,))) is None:
+        return []
+    return [b for b, p in enumerate(params) if _covered(p, vocab_size)]
+
+
 def argmax_ids(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:  # [..., V'] -> [...]
     V = logits.shape[-1] if vocab_size is None else vocab_size
     ops = _ops(logits) if logits.dtype == torch.float32 and logits.numel() else None
@@ -53,7 +69,7 @@ def native_chain(
     vocab_size: int,
     q_ids: torch.Tensor | None = None,  # [Vd] long: q's columns' target ids (None: q spans V)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not all(p.greedy or plain_temperature(p, vocab_size) for p in params):
+    if not all(_covered(p, vocab_size) for p in params):
         return None
     ops = _ops(logits, *(() if q is None else (q,)))
     if ops is None:

@@ -95,11 +95,12 @@ def test_a_verdict_does_not_depend_on_the_batch_or_the_threads():
     acc, final = native_chain(logits, ids, nd, q, u, params, V)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        acc1, final1 = native_chain(logits, ids, nd, q, u, params, V)
+        for n in (1, 2, 3):  # chunks shared out differently; the sums do not move
+            torch.set_num_threads(n)
+            acc1, final1 = native_chain(logits, ids, nd, q, u, params, V)
+            assert torch.equal(acc, acc1) and torch.equal(final, final1)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(acc, acc1) and torch.equal(final, final1)
     for b in range(B):
         one = slice(b, b + 1)
         a, f = native_chain(logits[one], ids[one], nd[one], q[one], u[one], params[:1], V)
@@ -188,3 +189,102 @@ def test_verify_step_reads_a_draft_vocabulary_q_on_both_paths():
                 prop = Proposal(ids, torch.tensor([K]), q, draft_vocab=dv)
                 got.append(verify_step(prop, logits, [params], [Stream()], [trial], V)[0].emitted_ids)
             assert got[0] == got[1]
+
+
+def test_drafts_outside_the_vocabulary_are_rejected_and_never_emitted():
+    """Ids past vocab_size (padded head rows with large logits) or negative: p = 0 there."""
+    B, K, V = 2, 3, 4000
+    logits, q, ids, g = _case(B, K, V, pad=6)
+    ids[0, 0], ids[1, 1] = V + 2, -1
+    for params in ([SamplingParams()] * 2, [SamplingParams(temperature=1.0)] * 2):
+        for mode_q in (q, None):
+            for _ in range(20):
+                acc, final = native_chain(
+                    logits, ids, torch.tensor([3, 3]), mode_q, torch.rand(B, K + 1), params, V
+                )
+                assert int(acc[0]) == 0 and int(acc[1]) <= 1
+                assert bool((final >= 0).all()) and bool((final < V).all())
+
+
+def test_a_residual_without_mass_falls_back_to_p():
+    """p one-hot on id z and q equal to it: a rejection (of an id p gives 0) leaves max(0, p - q)
+    without mass, and the token is drawn from p, as verify._normalised_or does."""
+    V, z = 300, 17
+    logits = torch.full((1, 2, V), float("-inf"))
+    logits[0, :, z] = 1.0
+    q = torch.zeros(1, 1, V)
+    q[0, 0, z] = 1.0
+    for u in (0.0, 0.5, 0.999):
+        acc, final = native_chain(
+            logits, torch.tensor([[V + 5]]), torch.tensor([1]), q, torch.tensor([[u, u]]),
+            [SamplingParams(temperature=1.0)], V,
+        )  # fmt: skip
+        assert (int(acc), int(final)) == (0, z)
+
+
+def test_a_low_temperature_keeps_near_ties_apart():
+    """T 1e-5 (the least) on logits near 30: the kernel scales x - max (exact in fp32 for near
+    values), as the tensor path does, not x itself (x / T ~ 3e6, where fp32's step is 0.25: p of
+    a runner-up 2 ulps below the leader would be off by ~13 %, and acceptance with it)."""
+    V, K = 2000, 2
+    g = torch.Generator().manual_seed(6)
+    logits = 30.0 + torch.randn(1, K + 1, V, generator=g) * 0.05
+    top = logits.amax(-1)  # [1, K+1]
+    for _ in range(2):  # the leader 2 ulps above the runner-up: ~0.38 apart after scaling
+        top = torch.nextafter(top, torch.full_like(top, 100.0))
+    logits[..., 7] = top
+    ids = logits[0, :K].topk(2, dim=-1).indices[:, 1][None]  # [1, K] each row's runner-up
+    params = [SamplingParams(temperature=1e-5)]
+    p = process_logits_batch(logits, params, V)
+    q = torch.softmax(torch.randn(1, K, V, generator=g), -1)
+    q[0, torch.arange(K), ids[0]] = 19.0  # q(x) ~0.95: u * q(x) crosses p(x) ~0.41
+    q = q / q.sum(-1, keepdim=True)
+    same = 0
+    for _ in range(400):
+        u = torch.rand(1, K + 1, generator=g)
+        acc, final = native_chain(logits, ids, torch.tensor([K]), q, u, params, V)
+        ref = verify_chain(ids, q, p, u, torch.tensor([K]))
+        same += int(
+            int(acc) == int(ref.num_accepted) and int(final) == int(ref.emitted_ids[0, ref.num_accepted])
+        )
+    assert same >= 398
+
+
+def test_a_request_verifies_alike_beside_a_top_p_neighbour():
+    """A mixed batch: the plain-temperature rows go through the kernel and the top-p row through
+    the tensor path, so each plain row's verdict is the one it gets alone."""
+    from specdecode.verify import verify_step
+
+    class Stream:
+        def __init__(self, seed):
+            self.generator = torch.Generator().manual_seed(seed)
+
+        def sample_uniforms(self, start, n):
+            return torch.rand(n, generator=self.generator)
+
+    B, K, V = 3, 3, 3000
+    logits, q, ids, _ = _case(B, K, V, seed=8)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.8), SamplingParams()]
+    prop = Proposal(ids, torch.tensor([3, 2, 3]), q)
+    for trial in range(20):
+        both = verify_step(prop, logits, params, [Stream(trial * 3 + b) for b in range(B)], [0] * B, V)
+        for b in range(B):
+            one = Proposal(ids[b : b + 1], prop.num_draft[b : b + 1], q[b : b + 1])
+            alone = verify_step(one, logits[b : b + 1], params[b : b + 1], [Stream(trial * 3 + b)], [0], V)
+            assert alone[0] == both[b]
+
+
+def test_duplicate_draft_vocabulary_ids_are_refused():
+    logits, _, ids, _ = _case(1, 2, 100)
+    q = torch.softmax(torch.randn(1, 2, 4), -1)
+    with pytest.raises(RuntimeError, match="twice"):
+        kernels.fused().verify_chain(
+            logits,
+            ids,
+            torch.tensor([2]),
+            q,
+            torch.rand(1, 3),
+            torch.ones(1),
+            100,
+            torch.tensor([3, 9, 3, 5]),
+        )

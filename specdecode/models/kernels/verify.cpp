@@ -2,7 +2,8 @@
 // case: chains (no trees), each request greedy or sampling at a plain temperature (no top-k /
 // top-p), fp32 logits on the CPU. verify.py's tensor path builds the [B, K+1, V] distributions
 // p (and the residual and its cumulative sum) with ~25 operators over the whole vocabulary; this
-// reads each logits row once or twice and builds nothing of vocabulary size but one row.
+// reads each logits row once or twice and builds one row of weights per draw (one per request by
+// rejection, rows 0..n of a sample-then-match request).
 //
 //   row_argmax(x [R, V'] fp32, vocab_size) -> [R] int64: the first largest of x[r, :vocab_size]
 //       (torch.argmax's choice, NaN largest)
@@ -50,6 +51,18 @@ namespace {
 
 constexpr int64_t CHUNK = 4096;  // ids per chunk (a row's sums are combined over these)
 
+// Adds 8 fp32 lanes into two 4-lane double accumulators (sums of thousands of terms keep fp32's
+// precision per term), and the horizontal sum of those.
+inline void add_wide(__m256d& lo, __m256d& hi, __m256 v) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+inline double hadd_wide(__m256d lo, __m256d hi) {
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(lo, hi));
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
 struct ChunkStat {
   float mx;      // the chunk's largest logit (greedy: its first index in `arg`)
   double sum;    // T > 0: sum over the chunk of exp((x - mx) / T)
@@ -57,7 +70,8 @@ struct ChunkStat {
 };
 
 // One chunk [v0, v1) of a row: greedy -> its first largest; T > 0 -> its maximum and the sum of
-// exp((x - mx) / T) (8 lanes, then the lanes added in order).
+// exp((x - mx) / T) (the difference taken before the scaling, as sampling.process_logits does, so
+// a low temperature keeps the precision of near ties; summed in double lanes).
 ChunkStat chunk_stat(const float* x, int64_t v0, int64_t v1, float inv_t) {
   ChunkStat st{-std::numeric_limits<float>::infinity(), 0.0, v0};
   if (inv_t == 0.f) {
@@ -72,11 +86,12 @@ ChunkStat chunk_stat(const float* x, int64_t v0, int64_t v1, float inv_t) {
   for (int64_t t = v; t < v1; ++t) mx = std::max(mx, x[t]);
   st.mx = mx;
   if (mx == -std::numeric_limits<float>::infinity()) return st;  // nothing of mass here
-  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(mx * inv_t);
-  __m256 acc = _mm256_setzero_ps();
-  for (v = v0; v + 8 <= v1; v += 8) acc = _mm256_add_ps(acc, exp_shifted(_mm256_mul_ps(_mm256_loadu_ps(x + v), it), m));
-  double s = hadd(acc);
-  for (int64_t t = v; t < v1; ++t) s += std::exp(static_cast<double>(x[t] * inv_t) - static_cast<double>(mx * inv_t));
+  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(mx), zero = _mm256_setzero_ps();
+  __m256d lo = _mm256_setzero_pd(), hi = lo;
+  for (v = v0; v + 8 <= v1; v += 8)
+    add_wide(lo, hi, exp_shifted(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), m), it), zero));
+  double s = hadd_wide(lo, hi);
+  for (int64_t t = v; t < v1; ++t) s += std::exp(static_cast<double>((x[t] - mx) * inv_t));
   st.sum = s;
   return st;
 }
@@ -94,25 +109,25 @@ RowStat combine(const ChunkStat* c, int64_t n, float inv_t) {
     if (c[i].mx > r.mx || (std::isnan(c[i].mx) && !std::isnan(r.mx))) r.mx = c[i].mx, r.arg = c[i].arg;
   if (inv_t == 0.f) return r;
   for (int64_t i = 0; i < n; ++i)
-    if (c[i].sum > 0.0) r.z += c[i].sum * std::exp(static_cast<double>(c[i].mx * inv_t) - static_cast<double>(r.mx * inv_t));
+    if (c[i].sum > 0.0) r.z += c[i].sum * std::exp(static_cast<double>((c[i].mx - r.mx) * inv_t));
   return r;
 }
 
 // p(x) of one id under a row's statistics.
 inline double prob(const float* x, int64_t id, const RowStat& r, float inv_t) {
-  return std::exp(static_cast<double>(x[id] * inv_t) - static_cast<double>(r.mx * inv_t)) / r.z;
+  return std::exp(static_cast<double>((x[id] - r.mx) * inv_t)) / r.z;
 }
 
 // Weights of one chunk [v0, v1) of the final distribution into w: p (no q), or max(0, p - q)
 // with q a full row (`q`) or a draft-vocabulary row (`qc`, its id of target id v at t2q[v], -1
-// for none); returns their sum (8 lanes, then in order).
+// for none); returns their sum (in double lanes, then in order).
 double chunk_weights(const float* x, const float* q, const float* qc, const int32_t* t2q, int64_t v0, int64_t v1,
                      const RowStat& r, float inv_t, float* w) {
-  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx * inv_t);
+  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx);
   const __m256 iz = _mm256_set1_ps(static_cast<float>(1.0 / r.z)), zero = _mm256_setzero_ps();
   int64_t v = v0;
   for (; v + 8 <= v1; v += 8) {
-    __m256 p = _mm256_mul_ps(exp_shifted(_mm256_mul_ps(_mm256_loadu_ps(x + v), it), m), iz);
+    __m256 p = _mm256_mul_ps(exp_shifted(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), m), it), zero), iz);
     if (q) p = _mm256_max_ps(_mm256_sub_ps(p, _mm256_loadu_ps(q + v)), zero);
     _mm256_storeu_ps(w + v, p);
   }
@@ -123,9 +138,9 @@ double chunk_weights(const float* x, const float* q, const float* qc, const int3
   if (qc)
     for (v = v0; v < v1; ++v)
       if (t2q[v] >= 0) w[v] = std::max(w[v] - qc[t2q[v]], 0.f);
-  __m256 acc = zero;
-  for (v = v0; v + 8 <= v1; v += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w + v));
-  double s = hadd(acc);
+  __m256d lo = _mm256_setzero_pd(), hi = lo;
+  for (v = v0; v + 8 <= v1; v += 8) add_wide(lo, hi, _mm256_loadu_ps(w + v));
+  double s = hadd_wide(lo, hi);
   for (; v < v1; ++v) s += w[v];
   return s;
 }
@@ -173,7 +188,8 @@ torch::Tensor row_argmax(const torch::Tensor& x, int64_t vocab_size) {
     }
   });
   auto out = torch::empty({R}, torch::kInt64);
-  for (int64_t r = 0; r < R; ++r) out[r] = combine(st.data() + r * chunks, chunks, 0.f).arg;
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) op[r] = combine(st.data() + r * chunks, chunks, 0.f).arg;
   return out;
 }
 
@@ -210,7 +226,9 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
     t2q.assign(V, -1);
     for (int64_t j = 0; j < ic.size(0); ++j) {
       TORCH_CHECK(ip[j] >= 0, "q_ids[", j, "] = ", ip[j], " is not a token id");
-      if (ip[j] < V) t2q[ip[j]] = static_cast<int32_t>(j);  // ids past the vocabulary: p is 0 there
+      if (ip[j] >= V) continue;  // ids past the vocabulary: p is 0 there
+      TORCH_CHECK(t2q[ip[j]] < 0, "q_ids names target id ", ip[j], " twice (columns ", t2q[ip[j]], " and ", j, ")");
+      t2q[ip[j]] = static_cast<int32_t>(j);
     }
   }
   const auto lc = logits.contiguous(), dc = draft_ids.contiguous(), nc = num_draft.contiguous();
