@@ -507,7 +507,8 @@ def _split_verdicts(fast: list[int], proposal: Proposal, logits, params, streams
     """verify_step on the rows our kernel covers and on the others (`how`: vocab_size, mode), each
     request with its own randomness as in one call (its stream's uniforms, laid out at the same K)."""
     out: list[Verdict | None] = [None] * len(params)
-    for rows in (fast, [b for b in range(len(params)) if b not in set(fast)]):
+    covered = set(fast)
+    for rows in (fast, [b for b in range(len(params)) if b not in covered]):
         idx = torch.tensor(rows)
 
         def take(t, idx=idx):

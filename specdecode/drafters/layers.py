@@ -17,13 +17,12 @@ Contract:
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
-- `DraftVocab(d2t, vocab_size, V)`: sampling that stays in the draft vocabulary (Vd ids) until
-  the verifier needs the full one: `probs(small_logits, params)` processes Vd logits (ids the
+- `DraftVocab(d2t, vocab_size)`: sampling that stays in the draft vocabulary (Vd ids), up to
+  the verifier: `probs(small_logits, params)` processes Vd logits (ids the
   tokenizer cannot emit masked), exactly the probabilities processing the full-vocabulary
   logits (-inf off the draft vocabulary) gives, restricted to the draft ids; `argmax` the id
   that processing at temperature 0 keeps; `to_target(ids)`
-  maps sampled draft ids; `to_full(q)` scatters q to the target vocabulary (for proposals that
-  carry it dense).
+  maps sampled draft ids (q goes to the verifier over the draft ids: `Proposal.draft_vocab`).
 - `shifted_kl(draft, target, loss_mask, lengths, shift, head)`: the distillation loss every
   learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
   the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
@@ -361,9 +360,8 @@ def draft_to_full_logits(small: torch.Tensor, d2t: torch.Tensor, vocab_rows: int
 class DraftVocab:
     """A reduced draft vocabulary: processing and sampling in Vd ids."""
 
-    def __init__(self, d2t: torch.Tensor, vocab_size: int, vocab_rows: int) -> None:
+    def __init__(self, d2t: torch.Tensor, vocab_size: int) -> None:
         self.d2t = d2t  # [Vd] target id of each draft id
-        self.vocab_rows = vocab_rows  # V
         off = d2t >= vocab_size  # [Vd] draft ids the tokenizer never emits (padded head rows)
         self.off = off if bool(off.any()) else None
 
@@ -384,10 +382,6 @@ class DraftVocab:
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] draft ids -> target ids
         return self.d2t.to(draft_ids.device)[draft_ids]
-
-    def to_full(self, q: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [..., V] (zeros elsewhere)
-        full = torch.zeros(*q.shape[:-1], self.vocab_rows, dtype=q.dtype, device=q.device)
-        return full.index_copy_(-1, self.d2t.to(q.device), q)
 
 
 class SoftTargets:

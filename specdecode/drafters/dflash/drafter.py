@@ -65,7 +65,7 @@ class DFlashDrafter(Drafter):
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
         plan = cpu_plan(target)  # the head rows in the target's measured formats
         self.head = PlannedLinear(self.head_w, None, plan) if plan and self.device.type == "cpu" else None
-        self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size, self.vocab_rows)
+        self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
         self._whole: dict[int, list] = {}  # block rows -> decode_layer's product arguments per layer

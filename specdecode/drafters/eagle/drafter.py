@@ -67,7 +67,6 @@ class EagleDrafter(Drafter):
         self.net = model.eval()
         self.target = target.model
         self.vocab_size = target.vocab_size  # tokenizer size: ids past it never drafted
-        self.vocab_rows = target.model.info.vocab_size  # V
         self.layers = tuple(model.cfg.feature_layers)  # low, mid, high (a tiny target may repeat one)
         self.needs_hidden = tuple(dict.fromkeys(self.layers))
         self.tree = tree
@@ -76,7 +75,7 @@ class EagleDrafter(Drafter):
         self.cost_per_token = cost_per_token
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
+        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 3d] features
         self._last: dict[int, torch.Tensor] = {}  # slot -> [d] output state of the last committed row

@@ -8,9 +8,10 @@ Contract:
   and never committed. Per slot it keeps the states h^k of committed rows (`hist[k]`, `Rows`:
   appended in place, so a long context costs no copy a step).
 - Drafts are sampled left to right from each module's processed q (the request's sampling,
-  full-vocabulary q returned for rejection sampling); at most D drafts per round. When every
-  request is greedy, each draft is the argmax and the proposal carries point masses (no q). Requests are
-  drafted one at a time (their depths' committed lengths differ).
+  q returned over the draft vocabulary for rejection sampling: `Proposal.draft_vocab`); at
+  most D drafts per round. When every request is greedy, each draft is the argmax and the
+  proposal carries point masses (no q). Requests are drafted one at a time (their depths'
+  committed lengths differ).
 - Depth grows with evidence: a request drafts with module 1 alone at first, and one module
   deeper once the rounds drafted at its current depth show the deepest draft accepted often:
   (accepted + 1) / (drafted + 2) >= `GROW_AT` over those rounds (two of two, four of five...;
@@ -58,12 +59,12 @@ class MTPDrafter(Drafter):
     def __init__(self, model, target, cost_per_token: float = 0.1, start_depth: int = 1):
         self.net = model.eval()
         self.target = target.model
-        self.vocab_size, self.vocab_rows = target.vocab_size, target.model.info.vocab_size
+        self.vocab_size = target.vocab_size
         self.cost_per_token = cost_per_token
         self.start_depth = max(1, min(start_depth, len(model.mods)))
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size, self.vocab_rows)
+        self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size)
         self.net.attach_head(target.model.lm_head_weight())
         plan = cpu_plan(target)  # the head rows [Vd, d] as one product in the measured formats
         self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
@@ -224,7 +225,7 @@ class MTPDrafter(Drafter):
         max_k = max(depth[b] for b in idx)
         greedy = all(batch[b].params.greedy for b in idx)  # point masses: no q, no probabilities
         ids = torch.zeros(len(batch), max_k, dtype=torch.long)
-        probs = None if greedy else torch.zeros(len(batch), max_k, self.vocab_rows)
+        probs = None if greedy else torch.zeros(len(batch), max_k, len(self.vocab.d2t))  # [B, K, Vd]
         num = torch.zeros(len(batch), dtype=torch.long)
         for b in idx:
             row, hist = batch[b], self.hist[batch[b].slot]
@@ -245,12 +246,13 @@ class MTPDrafter(Drafter):
                     q = self._q(k, state, row)
                     u = torch.rand((), generator=row.generator)
                     x = int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0])
-                    probs[b, k - 1] = self.vocab.to_full(q).cpu()
+                    probs[b, k - 1] = q.float().cpu()  # over the draft vocabulary (Proposal.draft_vocab)
                 drafts.append(x)
                 ids[b, k - 1] = x
                 spec_prev = spec if k > 1 else hist[1].view[n:n]  # depth 1 has no draft-time rows
             num[b] = len(drafts)
-        return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs)
+        vocab = None if probs is None else self.vocab.d2t
+        return Proposal(draft_ids=ids, num_draft=num, draft_probs=probs, draft_vocab=vocab)
 
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
         h = target_out.hidden[FINAL_NORM]  # [B, N, d]
