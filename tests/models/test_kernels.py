@@ -256,6 +256,37 @@ def test_verify_block_rows_sum_their_shared_prefix_together_exactly(ops, N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("R", "D"), [(3, 64), (24, 64), (7, 128), (13, 64), (6, 32)])
+def test_attention_value_pass_is_the_same_on_avx512_and_8_lanes(ops, dtype, R, D):
+    """The AVX-512 value pass (6 rows, 64 elements at a time) gives bit for bit the 8-lane one's
+    result: decode rows sharing a mask row, verify blocks (a shared prefix, then row by row),
+    gaps, slots read in place, head sizes it does not take (32: 8 lanes either way)."""
+    chosen = "AVX-512" in kernels.choices.get("attention", "")
+    if not ops.attention_avx512(True):
+        pytest.skip("no AVX-512F on this CPU")
+    gen = torch.Generator().manual_seed(R * 100 + D)
+    S, Hk, L = 4, 2, 70
+    slots = torch.tensor([3, 0])
+    q = torch.randn(2, Hk, R, D, generator=gen)
+    kv = (torch.randn(2, S, Hk, L + 3, D, generator=gen) * 3).to(dtype)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    causal = torch.ones(R, L, dtype=torch.bool).tril(L - R)
+    gap = causal.clone()
+    gap[:, 10:13] = False  # a hole in the prefix every row sees
+    cases = [(None, None), (causal.view(1, 1, R, L), None), (gap.view(1, 1, R, L), slots)]
+    try:
+        for mask, sl in cases:
+            b = 1 if sl is None else 2
+            args = (q[:b], k[:b] if sl is None else k, v[:b] if sl is None else v, mask, sl)
+            ops.attention_avx512(False)
+            lanes8 = ops.attention(*args)
+            ops.attention_avx512(True)
+            assert torch.equal(ops.attention(*args), lanes8)
+    finally:
+        ops.attention_avx512(chosen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
     """markov_argmax == x_k = argmax(u[:, k-1] + table[x_{k-1}]) with off ids at -inf, slot by
     slot in PyTorch: the same ids, ties included (rounded values make equal sums common)."""

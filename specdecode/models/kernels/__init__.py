@@ -13,6 +13,8 @@ Contract:
     (the AMX product's arithmetic and weight layout, on vector dot-product instructions);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
     `attention`; contracts in that file), and DSpark's greedy Markov pass `markov_argmax`;
+    `attention_avx512(on)` switches attention's value pass between AVX-512 and 8 lanes (the
+    same result bit for bit; chosen by timing both when the extension loads, `choices`);
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
     and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
@@ -42,6 +44,8 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import statistics
+import time
 from functools import cache
 from pathlib import Path
 
@@ -51,6 +55,7 @@ HERE = Path(__file__).parent
 SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp", "verify.cpp")
 HEADERS = ("bf16_pairs.h", "products.h", "vec_math.h")  # included by the kernels
 unavailable: dict[str, str] = {}
+choices: dict[str, str] = {}  # kernel variants picked by timing here (`_choose_value_pass`)
 
 
 def _cpu_runs_avx2_fma() -> bool:
@@ -95,6 +100,7 @@ def _ops():
             verbose=False,
         )
         unavailable.pop("cpu", None)
+        _choose_value_pass(torch.ops.specdecode)
         return torch.ops.specdecode
     except Exception as e:  # no compiler, no ninja, a failed build: the kernels are just absent
         unavailable["cpu"] = f"could not build {', '.join(SOURCES)}: {type(e).__name__}: {str(e)[:300]}"
@@ -116,6 +122,33 @@ def barred(pack: str) -> str | None:
     if cap is not None and pack in _AVX512_PACKS:
         return f"{pack}'s kernel needs AVX-512; PyTorch's CPU capability is capped to {cap}"
     return None
+
+
+def _choose_value_pass(ops) -> None:
+    """Attention's value pass on AVX-512 or on 8 lanes (the same result bit for bit, see
+    fused.cpp): AVX-512 where the CPU runs it, PyTorch is not capped below it, and a verify-sized
+    block (24 rows over 264 keys, 3 KV heads) runs faster with it. Recorded in `choices`."""
+    if capped_isa() is not None:
+        ops.attention_avx512(False)
+        choices["attention"] = f"8 lanes (PyTorch capped to {capped_isa()})"
+        return
+    if not ops.attention_avx512(True):
+        choices["attention"] = "8 lanes (no AVX-512F here)"
+        return
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 24, 64, generator=gen)  # [B, Hk, G*N, D]: 8 tokens of a 3:1 GQA model
+    k, v = torch.randn(2, 1, 3, 264, 64, generator=gen)  # [B, Hk, L, D] each
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(18):
+        for on in (False, True):
+            ops.attention_avx512(on)
+            t0 = time.perf_counter()
+            ops.attention(q, k, v, None)
+            if rep >= 3:  # warm-up
+                times[on].append(time.perf_counter() - t0)
+    off_us, on_us = (statistics.median(times[x]) * 1e6 for x in (False, True))
+    ops.attention_avx512(on_us <= off_us)
+    choices["attention"] = f"{'AVX-512' if on_us <= off_us else '8 lanes'} ({on_us:.0f} vs {off_us:.0f} us)"
 
 
 def fused():

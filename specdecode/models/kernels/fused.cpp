@@ -15,6 +15,8 @@
 //       see are never read, so padding of ragged batches costs nothing. With `slots`, batch
 //       row b reads k[slots[b]] and v[slots[b]] (a whole cache read in place, any slots in any
 //       order); without, k[b].
+//   attention_avx512(on) -> whether attention's value pass now runs on AVX-512 (on, where the
+//       CPU has AVX-512F) or on 8 lanes; the result is the same bit for bit either way.
 //   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
 //       -> [n, K] int64, a greedy chain: x_0 = prev, x_k = argmax_v u[:, k-1, v] + table[x_{k-1}, v]
 //       over the v not `off` (sums in fp32; the first of equal maxima, as torch.argmax)
@@ -193,6 +195,73 @@ inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float
     }
     for (int g = 0; g < RG; ++g)
       for (int u = 0; u < 4; ++u) _mm256_storeu_ps(o + g * od + e0 + 8 * u, acc[g][u]);
+  }
+}
+
+// The AVX-512 twin of weighted_sum_rows for up to 6 rows (d a multiple of 64 here): 64 output
+// elements of every row in registers at once, so the values are read once for all the rows (the
+// 8-lane version passes over them once per 3 rows and 32 elements). Each output element is the
+// same sequence of fmas in key order, each weight the same product p * inv: bit for bit
+// weighted_sum_rows' result. Compiled for its own target; called only where `avx512_usable()`.
+inline __attribute__((target("avx512f"))) __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __attribute__((target("avx512f"))) __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int RG, typename T>
+__attribute__((target("avx512f"))) void weighted_sum_rows512(const float* p, int64_t ld, int64_t n,
+                                                             const float* inv, const T* v, int64_t vl,
+                                                             int64_t d, float* o, int64_t od) {
+  for (int64_t e0 = 0; e0 + 64 <= d; e0 += 64) {
+    __m512 acc[RG][4];
+    for (int g = 0; g < RG; ++g)
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm512_loadu_ps(o + g * od + e0 + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;  // masked for every row of the group
+      const T* vj = v + j * vl + e0;
+      const __m512 v0 = load16(vj), v1 = load16(vj + 16), v2 = load16(vj + 32), v3 = load16(vj + 48);
+      for (int g = 0; g < RG; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * ld + j] * inv[g]);
+        acc[g][0] = _mm512_fmadd_ps(pj, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(pj, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(pj, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(pj, v3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < RG; ++g)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + g * od + e0 + 16 * u, acc[g][u]);
+  }
+}
+
+// The value pass of `attention_kernel` for rows [0, rn) over keys [0, n): 6 rows at a time on
+// AVX-512 (d a multiple of 64), else 3 at a time on 8 lanes; the same result either way.
+bool g_avx512 = false;  // set by `attention_avx512` (models.kernels decides by timing both)
+
+template <typename T>
+void weighted_sum_all(const float* s, int64_t Lp, int64_t rn, int64_t n, const float* inv, const T* vv,
+                      int64_t vl, int64_t D, float* o) {
+  if (g_avx512 && D % 64 == 0) {
+    for (int64_t r = 0; r < rn; r += 6) {
+      const float* sr = s + r * Lp;
+      switch (std::min<int64_t>(6, rn - r)) {
+        case 6: weighted_sum_rows512<6, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+        case 5: weighted_sum_rows512<5, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+        case 4: weighted_sum_rows512<4, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+        case 3: weighted_sum_rows512<3, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+        case 2: weighted_sum_rows512<2, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+        default: weighted_sum_rows512<1, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rn; r += 3) {
+    const float* sr = s + r * Lp;
+    switch (std::min<int64_t>(3, rn - r)) {
+      case 3: weighted_sum_rows<3, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+      case 2: weighted_sum_rows<2, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
+      default: weighted_sum_rows<1, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D);
+    }
   }
 }
 
@@ -442,14 +511,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
           if (hole != nullptr) common = static_cast<const bool*>(hole) - (mm + r * L);
         }
       }
-      for (int64_t r = 0; common > 0 && r < rn; r += 3) {
-        const float* sr = s.data() + r * Lp;
-        switch (std::min<int64_t>(3, rn - r)) {
-          case 3: weighted_sum_rows<3, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D); break;
-          case 2: weighted_sum_rows<2, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D); break;
-          default: weighted_sum_rows<1, T>(sr, Lp, common, inv + r, vv, vl, D, o + r * D, D);
-        }
-      }
+      if (common > 0) weighted_sum_all<T>(s.data(), Lp, rn, common, inv, vv, vl, D, o);
       if (shared) continue;
       for (int64_t r = 0; r < rn; ++r)
         if (sees[r]) weighted_sum(s.data() + r * Lp, common, last + 1, inv[r], vv, vl, D, o + r * D);
@@ -660,7 +722,15 @@ std::tuple<torch::Tensor, torch::Tensor> markov_sample(const torch::Tensor& u, c
   return markov_impl("markov_sample", u, table, prev, off, &uniforms, temperature);
 }
 
+// attention_avx512(on): use the AVX-512 value pass from now on (on = True, where the CPU runs
+// AVX-512F) or the 8-lane one; returns whether it is in use. Results are the same either way.
+bool attention_avx512(bool on) {
+  g_avx512 = on && __builtin_cpu_supports("avx512f");
+  return g_avx512;
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("attention_avx512(bool on) -> bool", &attention_avx512);
   m.def("markov_argmax(Tensor u, Tensor table, Tensor prev, Tensor? off) -> Tensor");
   m.def("markov_sample(Tensor u, Tensor table, Tensor prev, Tensor? off, Tensor uniforms, float temperature) "
         "-> (Tensor, Tensor)");
