@@ -379,8 +379,18 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t Lp = (L + 7) / 8 * 8;        // score rows padded to whole vectors (-inf)
-  const int64_t RC = 8;                      // query rows per task: verify blocks use both cores
-  const int64_t chunks = (R + RC - 1) / RC;  // tasks per (batch row, KV head)
+  // Query rows per task (at most RMAX): each (batch row, KV head)'s rows are split into the
+  // `chunks` tasks that load the busiest thread least, a task costing its rows plus READ_ROWS
+  // rows' worth for reading its keys and values (the fewest chunks among equals). A row's
+  // result never depends on the split.
+  constexpr int64_t RMAX = 16, READ_ROWS = 4;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const auto load = [&](int64_t c) { return (B * Hk * c + threads - 1) / threads * ((R + c - 1) / c + READ_ROWS); };
+  const int64_t fewest = (R + RMAX - 1) / RMAX;
+  int64_t chunks = fewest;
+  for (int64_t c = fewest + 1; c <= std::min<int64_t>(R, 4 * fewest); ++c)
+    if (load(c) < load(chunks)) chunks = c;
+  const int64_t RC = (R + chunks - 1) / chunks;
   at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> s(RC * Lp);
     std::vector<float> qs(RC * D);
@@ -410,6 +420,13 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
       const char* nv = reinterpret_cast<const char*>(vp + nsi * vb + nh * vh);
       const bool* nm = mp ? mp + nbi * mb : nullptr;
       const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      // keys [0, open) every row of the chunk sees (a verify block's committed prefix, a decode
+      // step's whole span): their blocks skip the mask words
+      int64_t open = L;
+      for (int64_t r = 0; mm && r < rn && open > 0; ++r) {
+        const void* hole = std::memchr(mm + r * L, 0, static_cast<size_t>(open));
+        if (hole != nullptr) open = static_cast<const bool*>(hole) - (mm + r * L);
+      }
       for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const int64_t jn = std::min<int64_t>(8, L - j0);
         if (ahead && (!nm || mask_word(nm + j0, jn) != 0)) {
@@ -422,6 +439,22 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
+        if (j0 + 8 <= open && D % 8 == 0) {  // the general path below gives the same scores
+          for (int64_t rg = 0; rg < rn; rg += 3) {
+            __m256 sc[3];
+            const int gn = static_cast<int>(std::min<int64_t>(3, rn - rg));
+            const float* qg = qs.data() + rg * D;
+            if (gn == 3)
+              score8_rows<3, T>(qg, D, keys, D, sc);
+            else if (gn == 2)
+              score8_rows<2, T>(qg, D, keys, D, sc);
+            else
+              score8_rows<1, T>(qg, D, keys, D, sc);
+            for (int g = 0; g < gn; ++g) _mm256_storeu_ps(s.data() + (rg + g) * Lp + j0, sc[g]);
+          }
+          last = j0 + 7;
+          continue;
+        }
         // rows three at a time (a decode step's G query heads), each key loaded once for them
         for (int64_t rg = 0; rg < rn; rg += 3) {
           const int gn = static_cast<int>(std::min<int64_t>(3, rn - rg));
@@ -471,8 +504,8 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         for (int64_t j = last + 1; j < jend; ++j) s[r * Lp + j] = ninf;
       // 2. softmax per row (masked scores give exactly 0), then 3. the weighted sum of values
       float* o = op + (bh * R + r0) * D;
-      float inv[RC];
-      bool sees[RC];
+      float inv[RMAX];
+      bool sees[RMAX];
       for (int64_t r = 0; r < rn; ++r) {
         float* sr = s.data() + r * Lp;
         float* orow = o + r * D;
