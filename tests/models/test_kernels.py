@@ -255,6 +255,29 @@ def test_verify_block_rows_sum_their_shared_prefix_together_exactly(ops, N):
         assert torch.equal(one, got[:, :, r : r + 1]), r
 
 
+@pytest.mark.parametrize(
+    ("B", "N", "dtype"), [(1, 1, torch.float32), (1, 8, torch.float32), (2, 5, torch.bfloat16)]
+)
+def test_attention_tokens_reads_and_writes_token_major_rows_in_place(ops, B, N, dtype):
+    """attention_tokens takes q as the QKV product leaves it ([B, N, H, D], a strided view) and
+    returns [B, N, H, D]: bit for bit `attention` on the permuted copy, permuted back."""
+    gen = torch.Generator().manual_seed(7 + N)
+    Hk, G, D, P = 3, 3, 64, 29
+    L = P + N
+    qkv = torch.randn(B * N, (Hk * G + 2 * Hk) * D, generator=gen)
+    q = qkv[:, : Hk * G * D].view(B, N, Hk * G, D)  # not contiguous: rows of qkv
+    kv = torch.randn(2, B, Hk, L + 2, D, generator=gen).to(dtype)
+    k, v = kv[0, :, :, :L], kv[1, :, :, :L]
+    causal = torch.ones(N, L, dtype=torch.bool).tril(P)
+    mask = causal.repeat(G, 1).view(1, 1, G * N, L)  # row g * N + n
+    want = ops.attention(
+        q.reshape(B, N, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * N, D), k, v, mask
+    )
+    got = ops.attention_tokens(q, k, v, mask)
+    assert got.shape == (B, N, Hk * G, D)
+    assert torch.equal(got, want.view(B, Hk, G, N, D).permute(0, 3, 1, 2, 4).reshape(B, N, Hk * G, D))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("R", "D"), [(3, 64), (24, 64), (7, 128), (13, 64), (6, 32)])
 def test_attention_value_pass_is_the_same_on_avx512_and_8_lanes(ops, dtype, R, D):

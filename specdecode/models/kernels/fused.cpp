@@ -15,6 +15,9 @@
 //       see are never read, so padding of ragged batches costs nothing. With `slots`, batch
 //       row b reads k[slots[b]] and v[slots[b]] (a whole cache read in place, any slots in any
 //       order); without, k[b].
+//   attention_tokens(q [B, N, H, D], k, v, mask) -> [B, N, H, D]: attention with q and the
+//       output token-major (as the QKV product and the output product hold them), row
+//       g * N + n of KV head h being q[b, n, h * G + g]: no permuted copies either way
 //   attention_avx512(on) -> whether attention's value pass now runs on AVX-512 (on, where the
 //       CPU has AVX-512F) or on 8 lanes; the result is the same bit for bit either way.
 //   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
@@ -375,8 +378,18 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 template <typename T>
 void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, const bool* mp, int64_t mb,
                       const int64_t* sp, int64_t B, int64_t Hk, int64_t R, int64_t D, int64_t L, int64_t kb,
-                      int64_t kh, int64_t kl, int64_t vb, int64_t vh, int64_t vl) {
+                      int64_t kh, int64_t kl, int64_t vb, int64_t vh, int64_t vl, int64_t tokN,
+                      const int64_t* qst) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // Where row r of (batch row bi, KV head h) lives: q and o contiguous [B, Hk, R, D], or
+  // token-major [B, tokN, Hk * G, D] with r = g * tokN + n (tokN > 0, G = R / tokN; q read
+  // through its strides qst[0..2], o contiguous)
+  const auto row_at = [&](int64_t bi, int64_t h, int64_t r, const int64_t* st) -> int64_t {
+    if (tokN == 0) return ((bi * Hk + h) * R + r) * D;
+    const int64_t G = R / tokN, g = r / tokN, n = r % tokN;
+    return bi * st[0] + n * st[1] + (h * G + g) * st[2];
+  };
+  const int64_t ost[3] = {R * Hk * D, R / std::max<int64_t>(tokN, 1) * Hk * D, D};  // [B, tokN, H, D]
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t Lp = (L + 7) / 8 * 8;        // score rows padded to whole vectors (-inf)
   // Query rows per task (at most RMAX): each (batch row, KV head)'s rows are split into the
@@ -394,6 +407,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
   at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> s(RC * Lp);
     std::vector<float> qs(RC * D);
+    std::vector<float> ob(tokN ? RC * D : 0);  // a token-major task's rows before they go out
     std::vector<T> zero_key(D, T{});
     for (int64_t task = a; task < b; ++task) {
       const int64_t bh = task / chunks, r0 = (task % chunks) * RC, rn = std::min(RC, R - r0);
@@ -401,9 +415,11 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
       const int64_t si = sp ? sp[bi] : bi;  // the cache slot this batch row reads
       const T* kk = kp + si * kb + h * kh;
       const T* vv = vp + si * vb + h * vh;
-      const float* qq = qp + (bh * R + r0) * D;
       const bool* mm = mp ? mp + bi * mb + r0 * L : nullptr;
-      for (int64_t i = 0; i < rn * D; ++i) qs[i] = qq[i] * scale;
+      for (int64_t r = 0; r < rn; ++r) {
+        const float* qq = qp + row_at(bi, h, r0 + r, qst);
+        for (int64_t i = 0; i < D; ++i) qs[r * D + i] = qq[i] * scale;
+      }
       // Rows of this chunk with one mask row (a decode step's G query heads; no mask) share
       // their zero weights: their values are summed together (weighted_sum_rows).
       bool shared = D % 32 == 0;
@@ -503,7 +519,10 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
       for (int64_t r = 0; r < rn; ++r)
         for (int64_t j = last + 1; j < jend; ++j) s[r * Lp + j] = ninf;
       // 2. softmax per row (masked scores give exactly 0), then 3. the weighted sum of values
-      float* o = op + (bh * R + r0) * D;
+      float* o = tokN ? ob.data() : op + (bh * R + r0) * D;
+      const auto put = [&] {  // token-major: each row to its place
+        for (int64_t r = 0; tokN && r < rn; ++r) std::memcpy(op + row_at(bi, h, r0 + r, ost), o + r * D, D * sizeof(float));
+      };
       float inv[RMAX];
       bool sees[RMAX];
       for (int64_t r = 0; r < rn; ++r) {
@@ -526,7 +545,10 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         inv[r] = 1.f / hadd(vsum);
         sees[r] = true;
       }
-      if (last < 0) continue;
+      if (last < 0) {
+        put();
+        continue;
+      }
       // Keys [0, common) are seen by every row of the chunk (all of them when the rows share
       // their mask row; a verify block's committed prefix otherwise): their values are summed for
       // the rows together, then each row goes on alone over the keys only some rows see.
@@ -545,21 +567,28 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         }
       }
       if (common > 0) weighted_sum_all<T>(s.data(), Lp, rn, common, inv, vv, vl, D, o);
-      if (shared) continue;
-      for (int64_t r = 0; r < rn; ++r)
-        if (sees[r]) weighted_sum(s.data() + r * Lp, common, last + 1, inv[r], vv, vl, D, o + r * D);
+      if (!shared)
+        for (int64_t r = 0; r < rn; ++r)
+          if (sees[r]) weighted_sum(s.data() + r * Lp, common, last + 1, inv[r], vv, vl, D, o + r * D);
+      put();
     }
   });
 }
 
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots) {
+namespace {
+
+// attention and attention_tokens: q [B, Hk, R, D] (tokN 0) or [B, tokN, H, D] (R = tokN * H / Hk)
+torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots,
+                             int64_t tokN) {
   check_f32(q, "q");
   TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
                   v.scalar_type() == k.scalar_type() && k.device().is_cpu() && v.device().is_cpu(),
               "k and v must be float32 or bfloat16 (both alike) on the CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
-  const int64_t B = q.size(0), Hk = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  const int64_t B = q.size(0), Hk = tokN ? k.size(1) : q.size(1), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(tokN == 0 || (q.size(1) == tokN && q.size(2) % Hk == 0), "q must be [B, N, H, D], H a multiple of Hk");
+  const int64_t R = tokN ? tokN * (q.size(2) / Hk) : q.size(2);
   const bool by_slot = slots.has_value() && slots->defined();
   TORCH_CHECK((by_slot || k.size(0) == B) && k.size(1) == Hk && k.size(3) == D && v.sizes() == k.sizes(),
               "k and v must be [B, Hk, L, D] (or [S, Hk, L, D] read by slots) like q [B, Hk, R, D]");
@@ -576,7 +605,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                   " slots");
   }
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dimension");
-  const auto qc = q.contiguous();
+  const auto qc = tokN ? q : q.contiguous();  // token-major q is read through its strides
+  TORCH_CHECK(qc.stride(3) == 1, "q needs a contiguous last dimension");
+  const int64_t qst[3] = {qc.stride(0), qc.stride(1), qc.stride(2)};
   const bool* mp = nullptr;
   int64_t mb = 0;
   torch::Tensor mc;
@@ -589,20 +620,33 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     mp = mc.data_ptr<bool>();
     mb = mc.size(0) == 1 ? 0 : R * L;
   }
-  auto out = torch::empty({B, Hk, R, D}, qc.options());
+  auto out = torch::empty(qc.sizes(), qc.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   if (k.scalar_type() == torch::kFloat32) {
     attention_kernel<float>(qp, k.data_ptr<float>(), v.data_ptr<float>(), op, mp, mb, sp, B, Hk, R, D, L, kb,
-                            kh, kl, vb, vh, vl);
+                            kh, kl, vb, vh, vl, tokN, qst);
   } else {
     const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
     const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-    attention_kernel<uint16_t>(qp, kp, vp, op, mp, mb, sp, B, Hk, R, D, L, kb, kh, kl, vb, vh, vl);
+    attention_kernel<uint16_t>(qp, kp, vp, op, mp, mb, sp, B, Hk, R, D, L, kb, kh, kl, vb, vh, vl, tokN, qst);
   }
   return out;
+}
+
+}  // namespace
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots) {
+  return attention_impl(q, k, v, mask, slots, 0);
+}
+
+torch::Tensor attention_tokens(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4, "q must be [B, N, H, D]");
+  return attention_impl(q, k, v, mask, c10::nullopt, q.size(1));
 }
 
 // An optional [V] bool mask of ids to skip as a pointer (nullptr when absent); `keep` holds the
@@ -772,6 +816,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? slots=None) -> Tensor");
+  m.def("attention_tokens(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
@@ -780,6 +825,7 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("attention", &attention);
+  m.impl("attention_tokens", &attention_tokens);
   m.impl("markov_argmax", &markov_argmax);
   m.impl("markov_sample", &markov_sample);
 }

@@ -43,8 +43,8 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
                                         const torch::Tensor& w, double eps);
 void rope_(torch::Tensor& qkv, const torch::Tensor& cs, int64_t num_heads);
 torch::Tensor silu_mul(const torch::Tensor& gu);
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& slots);
+torch::Tensor attention_tokens(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask);
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q);
 const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
@@ -90,10 +90,8 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   // 2. cache write, then attention over the span with the G heads of a KV head as rows
   k_dst.copy_(qkv.narrow(1, H * D, Hk * D).view({B, N, Hk, D}));
   v_dst.copy_(qkv.narrow(1, (H + Hk) * D, Hk * D).view({B, N, Hk, D}));
-  const auto qf = N == 1 ? q.view({B, Hk, G, D})
-                         : q.reshape({B, N, Hk, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, Hk, G * N, D});
-  auto o = attention(qf, k_src, v_src, mask, c10::nullopt);  // [B, Hk, G*N, D]
-  o = N == 1 ? o.view({B, H * D}) : o.view({B, Hk, G, N, D}).permute({0, 3, 1, 2, 4}).reshape({B * N, H * D});
+  // the G query heads of a KV head and the N tokens are its rows g * N + n, read where they lie
+  const auto o = attention_tokens(q, k_src, v_src, mask).view({B * N, H * D});
   // 3. output product, residual add and the MLP's norm in one pass; SiLU MLP with fused gate/up
   const auto xh = add_rms_norm(x, product(o_kind, o, o_p, o_n, none), ln2, eps);
   return xh[0] + product(down_kind, silu_mul(product(gu_kind, xh[1], gu_p, gu_n, none)), down_p, down_n, none);
