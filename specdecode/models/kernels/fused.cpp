@@ -237,6 +237,46 @@ __attribute__((target("avx512f"))) void weighted_sum_rows512(const float* p, int
   }
 }
 
+// exp_shifted in 16 lanes: every lane the same operations, so the same values bit for bit.
+__attribute__((target("avx512f"))) inline __m512 exp_shifted16(__m512 x, __m512 m) {
+  const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+  __m512 t = _mm512_max_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  t = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  t = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), t);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(t, t), t), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~masked), y, _mm512_castsi512_ps(e));
+}
+
+// A score row's softmax numerators in place, exp(s - mx) over [0, n) (n a multiple of 8), and
+// their sum: 16 lanes at a time, the sum taken 8 lanes at a time in key order as the 8-lane
+// loop does, so both the values and the sum are bit for bit that loop's.
+__attribute__((target("avx512f"))) float exp_sum512(float* sr, int64_t n, float mx) {
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_shifted16(_mm512_loadu_ps(sr + j), vm);
+    _mm512_storeu_ps(sr + j, e);
+    vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+    vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  if (j < n) {
+    const __m256 e = exp_shifted(_mm256_loadu_ps(sr + j), _mm256_set1_ps(mx));
+    _mm256_storeu_ps(sr + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return hadd(vsum);
+}
+
 // The value pass of `attention_kernel` for rows [0, rn) over keys [0, n): 6 rows at a time on
 // AVX-512 (d a multiple of 64), else 3 at a time on 8 lanes; the same result either way.
 bool g_avx512 = false;  // set by `attention_avx512` (models.kernels decides by timing both)
@@ -535,6 +575,11 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         for (int64_t j = 0; j < jend; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
         const float mx = hmax(vmax);
         if (mx == ninf) continue;  // a row that sees nothing: zeros (padding rows only)
+        if (g_avx512) {
+          inv[r] = 1.f / exp_sum512(sr, jend, mx);
+          sees[r] = true;
+          continue;
+        }
         const __m256 vm = _mm256_set1_ps(mx);
         __m256 vsum = _mm256_setzero_ps();
         for (int64_t j = 0; j < jend; j += 8) {
