@@ -229,7 +229,7 @@ def _drafting_code_tag() -> str:
     kernels: what a drafting round and a sampled step's extra run."""
     pkg = Path(__file__).parent
     h = hashlib.sha256(kernels.source_tag().encode())
-    step = [pkg / "sampling.py", pkg / "verify.py", pkg / "verify_native.py", pkg / "step.py"]
+    step = [pkg / f for f in ("sampling.py", "verify.py", "verify_rules.py", "verify_native.py", "step.py")]
     for f in [*sorted((pkg / "drafters").rglob("*.py")), *step]:
         h.update(f.read_bytes())
     return h.hexdigest()[:12]

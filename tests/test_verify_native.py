@@ -208,7 +208,7 @@ def test_drafts_outside_the_vocabulary_are_rejected_and_never_emitted():
 
 def test_a_residual_without_mass_falls_back_to_p():
     """p one-hot on id z and q equal to it: a rejection (of an id p gives 0) leaves max(0, p - q)
-    without mass, and the token is drawn from p, as verify._normalised_or does."""
+    without mass, and the token is drawn from p, as verify_rules._normalised_or does."""
     V, z = 300, 17
     logits = torch.full((1, 2, V), float("-inf"))
     logits[0, :, z] = 1.0
