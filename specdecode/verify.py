@@ -25,7 +25,7 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.drafter import Proposal
 from specdecode.sampling import process_logits_batch
-from specdecode.verify_native import argmax_ids, native_chain, native_rows
+from specdecode.verify_native import argmax_ids, native_chain, native_rows, native_tree, native_tree_rows
 from specdecode.verify_rules import (
     ChainVerdict,
     TreeBatchVerdict,
@@ -180,6 +180,17 @@ def verify_step(
         rows = verify_tree_greedy(parents, tree_ids, logits, vocab_size)
         return [Verdict(e, kept, nd[b], depth) for b, (e, kept, depth) in enumerate(rows)]
     keyed = mode == "match" or proposal.draft_probs is None
+    u = None  # the step's uniforms once drawn (a kernel that declines leaves them to the tensor path)
+    if tree_ids is not None and not proposal.tree_iid:  # point-mass candidates: the kernel where it applies
+        fast = native_tree_rows(params, vocab_size, logits)
+        if 0 < len(fast) < len(nd):  # a mixed batch: each part down its own path, in row order
+            return _split_verdicts(fast, proposal, logits, params, streams, positions, vocab_size, mode)
+        if fast:
+            parents = proposal.parents.cpu().expand(len(nd), -1)  # [B, N]
+            u = step_uniforms(streams, positions, nd, k, "tree")
+            got = native_tree(logits, tree_ids, parents, u, params, vocab_size)
+            if got is not None:
+                return _tree_verdicts(parents, tree_ids, *got, nd)
     if tree_ids is None:  # a chain: our CPU kernel where it applies (verify_native)
         fast = native_rows(params, vocab_size, logits, proposal.draft_probs)
         if 0 < len(fast) < len(nd):  # a mixed batch: each part down its own path, in row order
@@ -196,7 +207,7 @@ def verify_step(
     q = proposal.dense_probs(logits.shape[-1])  # [B, K, V] or None
     q = None if q is None else q.to(dev)
     if tree_ids is not None:
-        u = step_uniforms(streams, positions, nd, k, "tree").to(dev)
+        u = (step_uniforms(streams, positions, nd, k, "tree") if u is None else u).to(dev)
         v = verify_tree_batch(proposal.parents, tree_ids.to(dev), q, target_probs, u, proposal.tree_iid)
         kept = v.kept_rows.tolist()
         emitted, depth = v.emitted_ids.tolist(), v.depth.tolist()
@@ -224,11 +235,13 @@ def _split_verdicts(fast: list[int], proposal: Proposal, logits, params, streams
         def take(t, idx=idx):
             return None if t is None else t[idx.to(t.device)]
 
+        parents = proposal.parents
         sub = dataclasses.replace(
             proposal,
             draft_ids=take(proposal.draft_ids),
             num_draft=take(proposal.num_draft),
             draft_probs=take(proposal.draft_probs),
+            parents=take(parents) if parents is not None and parents.dim() == 2 else parents,
         )
         pick = [(params[b], streams[b], positions[b]) for b in rows]
         part = verify_step(sub, take(logits), *map(list, zip(*pick, strict=True)), *how)
@@ -245,6 +258,28 @@ def _native_verdicts(
         Verdict(ids[b][:a] + [fin[b]], list(range(a + 1)), num_draft[b], num_draft[b])
         for b, a in enumerate(acc)
     ]
+
+
+def _tree_verdicts(
+    parents: torch.Tensor,
+    tree_ids: torch.Tensor,
+    path: torch.Tensor,
+    final_ids: torch.Tensor,
+    num_draft: list[int],
+) -> list[Verdict]:
+    """Verdicts from the kernel's accepted paths (nodes, then -1) and final tokens; depth as the
+    tensor path counts it (the row's deepest node)."""
+    out = []
+    for par, ids, nodes, fin, n in zip(
+        parents.tolist(), tree_ids.tolist(), path.tolist(), final_ids.tolist(), num_draft, strict=True
+    ):
+        depth = [0] * (len(ids) + 1)
+        for i, (pa, x) in enumerate(zip(par, ids, strict=True)):
+            if x >= 0:
+                depth[i + 1] = depth[pa + 1] + 1
+        nodes = [i for i in nodes if i >= 0]
+        out.append(Verdict([ids[i] for i in nodes] + [fin], [0] + [i + 1 for i in nodes], n, max(depth)))
+    return out
 
 
 def _chain_verdicts(v: ChainVerdict, num_draft: list[int]) -> list[Verdict]:

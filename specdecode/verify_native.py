@@ -13,6 +13,11 @@ Contract:
   greedy or at a plain temperature, none where the kernel does not apply. `verify.verify_step`
   sends a mixed batch's two parts down their two paths, so a request's verdict never depends on
   its neighbours' settings.
+- `native_tree(logits, tree_ids, parents, uniforms, params, vocab_size)` returns (path [B, N],
+  final_ids [B]) long: the verdict `verify_rules.verify_tree_batch` gives a tree of point-mass
+  candidates (iid False; path = its accepted nodes, -1 after them), every request sampling at a
+  plain temperature (> 0), or None where the kernel does not apply. Uniforms in the tree layout.
+  `native_tree_rows(params, vocab_size, logits)`: the requests it covers.
 - `argmax_ids(logits [..., V'], vocab_size)` -> [...] long: the first largest logit among the
   first vocab_size ids (torch.argmax's choice), on the kernel where it applies.
 What changes against the tensor path: the target's probabilities are softmax up to rounding (the
@@ -50,6 +55,12 @@ def native_rows(
     return [b for b, p in enumerate(params) if _covered(p, vocab_size)]
 
 
+def native_tree_rows(params: Sequence[SamplingParams], vocab_size: int, logits: torch.Tensor) -> list[int]:
+    if _ops(logits) is None:
+        return []
+    return [b for b, p in enumerate(params) if not p.greedy and plain_temperature(p, vocab_size)]
+
+
 def argmax_ids(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:  # [..., V'] -> [...]
     V = logits.shape[-1] if vocab_size is None else vocab_size
     ops = _ops(logits) if logits.dtype == torch.float32 and logits.numel() else None
@@ -84,4 +95,21 @@ def native_chain(
         temps,
         vocab_size,
         None if q is None or q_ids is None else q_ids.cpu().long(),
+    )
+
+
+def native_tree(
+    logits: torch.Tensor,  # [B, N+1, V'] the target's logits at the verify block (row 0 = root)
+    tree_ids: torch.Tensor,  # [B, N] long: node tokens, -1 = no node
+    parents: torch.Tensor,  # [B, N] long: -1 = the root
+    uniforms: torch.Tensor,  # [B, N+1] (tree layout)
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if len(native_tree_rows(params, vocab_size, logits)) < len(params) or not params:
+        return None
+    ops = _ops(logits)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    return ops.verify_tree(
+        logits.float(), tree_ids.cpu().long(), parents.cpu().long(), uniforms.float(), temps, vocab_size
     )

@@ -1,4 +1,4 @@
-"""verify_native: our CPU kernel's chain verdicts against the tensor path of specdecode.verify.
+"""verify_native: our CPU kernel's chain and tree verdicts against the tensor path of specdecode.verify.
 
 Greedy verdicts and argmaxes must be identical; sampled verdicts (rejection and sample-then-match)
 must be the tensor path's for the same uniforms except where a uniform falls within rounding of a
@@ -16,7 +16,7 @@ from specdecode.drafter import Proposal
 from specdecode.models import kernels
 from specdecode.sampling import process_logits_batch
 from specdecode.verify import verify_chain, verify_chain_match, verify_greedy
-from specdecode.verify_native import argmax_ids, native_chain
+from specdecode.verify_native import argmax_ids, native_chain, native_tree
 
 pytestmark = pytest.mark.skipif(kernels.fused() is None, reason="our CPU kernels are not built here")
 
@@ -288,3 +288,106 @@ def test_duplicate_draft_vocabulary_ids_are_refused():
             100,
             torch.tensor([3, 9, 3, 5]),
         )
+
+
+# ---- trees of point-mass candidates at T > 0 (verify_tree) ------------------------------------------
+TREE_PARENTS = [-1, -1, -1, 0, 0, 1, 3, 3, 6]  # siblings at the root and below, 4 levels
+
+
+def _tree_case(B, V, seed, scale=3.0):
+    """Logits and trees whose nodes are often the row's likely tokens: rows with fewer nodes, a
+    duplicate sibling, an id past the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(TREE_PARENTS)
+    logits = torch.randn(B, N + 1, V + 4, generator=g) * scale
+    logits[..., V:] = 60.0  # padded head rows: never chosen
+    top = logits[..., :V].topk(3, dim=-1).indices  # [B, N+1, 3]
+    pick = torch.randint(0, 3, (B, N), generator=g)
+    par = torch.tensor(TREE_PARENTS)
+    ids = top[torch.arange(B)[:, None], par[None] + 1, pick]  # a node: one of its parent row's top 3
+    ids[0, 1] = ids[0, 0]  # a duplicate sibling: p' = 0 once the first was rejected
+    ids[1, 2] = V + 1  # past the vocabulary: p = 0
+    n = torch.tensor([N, N, 5, 0][:B])
+    ids = torch.where(torch.arange(N)[None] < n[:, None], ids, -1)
+    return logits, ids, par[None].expand(B, -1).clone(), g
+
+
+def test_tree_verdicts_are_the_tensor_paths_for_the_same_uniforms():
+    from specdecode.verify import verify_tree_batch
+
+    B, V = 4, 3000
+    logits, ids, par, g = _tree_case(B, V, seed=11)
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.6, 2.0, 1.0)]
+    p = process_logits_batch(logits, params, V)
+    same = total = accepted = 0
+    for _ in range(400):
+        u = torch.rand(B, len(TREE_PARENTS) + 1, generator=g)
+        path, final = native_tree(logits, ids, par, u, params, V)
+        ref = verify_tree_batch(par, ids, None, p, u, iid=False)
+        for b in range(B):
+            a = int(ref.num_accepted[b])
+            want = ref.accepted_nodes[b, :a].tolist(), int(ref.emitted_ids[b, a])
+            got = [i for i in path[b].tolist() if i >= 0], int(final[b])
+            same += got == want
+            total += 1
+            accepted += a
+            assert 0 <= got[1] < V
+    assert accepted > 100
+    assert same >= total - 2, f"{total - same} of {total} verdicts differ from the tensor path"
+
+
+def test_a_tree_verdict_does_not_depend_on_the_batch_or_the_threads():
+    B, V = 3, 20000
+    logits, ids, par, g = _tree_case(B, V, seed=12)
+    params = [SamplingParams(temperature=1.0)] * B
+    u = torch.rand(B, len(TREE_PARENTS) + 1, generator=g)
+    path, final = native_tree(logits, ids, par, u, params, V)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            p1, f1 = native_tree(logits, ids, par, u, params, V)
+            assert torch.equal(path, p1) and torch.equal(final, f1)
+    finally:
+        torch.set_num_threads(threads)
+    for b in range(B):
+        one = slice(b, b + 1)
+        p1, f1 = native_tree(logits[one], ids[one], par[one], u[one], params[:1], V)
+        assert torch.equal(p1[0], path[b]) and int(f1) == int(final[b])
+
+
+def test_tree_verification_goes_to_the_kernel_only_where_it_applies():
+    logits, ids, par, _ = _tree_case(2, 100, seed=13)
+    u = torch.rand(2, len(TREE_PARENTS) + 1)
+    assert native_tree(logits, ids, par, u, [SamplingParams(temperature=1.0)] * 2, 100) is not None
+    assert native_tree(logits, ids, par, u, [SamplingParams(temperature=1.0, top_k=5)] * 2, 100) is None
+    assert native_tree(logits, ids, par, u, [SamplingParams(), SamplingParams(temperature=1.0)], 100) is None
+    bad = par.clone()
+    bad[0, 3] = 5  # a parent after its child
+    with pytest.raises(RuntimeError, match="parents"):
+        kernels.fused().verify_tree(logits, ids, bad, u, torch.ones(2), 100)
+
+
+def test_a_tree_request_verifies_alike_beside_greedy_and_top_k_neighbours():
+    """verify_step on a batch of trees: the plain-temperature rows on the kernel, a top-k row on
+    the tensor path, a greedy row on the greedy path; each row's verdict is the one it gets alone."""
+    from specdecode.verify import verify_step
+
+    class Stream:
+        def __init__(self, seed):
+            self.generator = torch.Generator().manual_seed(seed)
+
+        def sample_uniforms(self, start, n):
+            return torch.rand(n, generator=self.generator)
+
+    B, V = 3, 3000
+    logits, ids, par, _ = _tree_case(B, V, seed=14)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20), SamplingParams()]
+    n = len(TREE_PARENTS)
+    prop = Proposal(ids.clamp_min(0), torch.tensor([n, n, 5]), parents=par)
+    for trial in range(20):
+        both = verify_step(prop, logits, params, [Stream(trial * 3 + b) for b in range(B)], [0] * B, V)
+        for b in range(B):
+            one = Proposal(prop.draft_ids[b : b + 1], prop.num_draft[b : b + 1], parents=par[b : b + 1])
+            alone = verify_step(one, logits[b : b + 1], params[b : b + 1], [Stream(trial * 3 + b)], [0], V)
+            assert alone[0] == both[b]

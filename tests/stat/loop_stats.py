@@ -17,7 +17,7 @@ Contract:
 - `chi_square(counts, law, n)`: scipy.stats.chisquare of observed continuation counts against
   the exact expected counts; cells with expected < 5 are merged into one bin.
 - `VerifierSpy` wraps the verification functions the loop calls (the names in
-  specdecode.verify, our CPU kernel's `native_chain` among them) and counts accepted drafts,
+  specdecode.verify, our CPU kernel's `native_chain` and `native_tree` among them) and counts accepted drafts,
   recovered tokens (first rejection) and bonus
   tokens (every draft accepted); `broken` makes it re-draw the token after a rejection from the
   target's p instead of the residual, the classic losslessness bug.
@@ -160,7 +160,7 @@ class VerifierSpy:
     bonus: int = 0
     plain: int = 0  # steps without drafts (the token is a plain sample)
     calls: int = 0  # verifier calls seen (0: the loop no longer calls the names patched here)
-    native: int = 0  # of them, chains verified by our CPU kernel (verify_native)
+    native: int = 0  # of them, chains and trees verified by our CPU kernel (verify_native)
     multi: int = 0  # steps that accepted two drafts or more
     drafts: collections.Counter = field(default_factory=collections.Counter)  # drafts per step -> steps
     gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1234))
@@ -170,6 +170,7 @@ class VerifierSpy:
         monkeypatch.setattr(verify_mod, "verify_chain_match", self._match(verify_mod.verify_chain_match))
         monkeypatch.setattr(verify_mod, "verify_tree_batch", self._tree(verify_mod.verify_tree_batch))
         monkeypatch.setattr(verify_mod, "native_chain", self._native(verify_mod.native_chain))
+        monkeypatch.setattr(verify_mod, "native_tree", self._native_tree(verify_mod.native_tree))
         return self
 
     def summary(self) -> str:
@@ -229,28 +230,50 @@ class VerifierSpy:
 
         return native_chain
 
+    def _tally_tree(self, par, tree_ids, num_accepted, accepted_nodes, emitted_ids, target_probs) -> None:
+        """par [B, N]; a broken verifier draws the token after a rejection from the target's own p
+        at the last node (not from p without the rejected children)."""
+        self.calls += 1
+        for b in range(tree_ids.shape[0]):
+            n, a = int((tree_ids[b] >= 0).sum()), int(num_accepted[b])
+            self.accepted += a
+            self.multi += a >= 2
+            self.drafts[n] += 1
+            if n == 0:
+                self.plain += 1
+                continue
+            last = int(accepted_nodes[b, a - 1]) if a else -1
+            if bool((par[b, :n] == last).any()):  # children of the last node were all rejected
+                self.recovered += 1
+                if self.broken:
+                    u = torch.rand(1, generator=self.gen)
+                    p = target_probs[b, last + 1][None]
+                    emitted_ids[b, a] = _draw(p, u)[0].to(emitted_ids)
+            else:
+                self.bonus += 1  # a leaf was accepted: the final token is a bonus
+
     def _tree(self, real):
         def verify_tree_batch(parents, tree_ids, draft_probs, target_probs, uniforms, iid):
             v = real(parents, tree_ids, draft_probs, target_probs, uniforms, iid)
-            self.calls += 1
             par = parents if parents.dim() == 2 else parents[None].expand(tree_ids.shape[0], -1)
-            for b in range(tree_ids.shape[0]):
-                n, a = int((tree_ids[b] >= 0).sum()), int(v.num_accepted[b])
-                self.accepted += a
-                self.multi += a >= 2
-                self.drafts[n] += 1
-                if n == 0:
-                    self.plain += 1
-                    continue
-                last = int(v.accepted_nodes[b, a - 1]) if a else -1
-                if bool((par[b, :n] == last).any()):  # children of the last node were all rejected
-                    self.recovered += 1
-                    if self.broken:
-                        u = torch.rand(1, generator=self.gen)
-                        p = target_probs[b, last + 1][None]
-                        v.emitted_ids[b, a] = _draw(p, u)[0].to(v.emitted_ids)
-                else:
-                    self.bonus += 1  # a leaf was accepted: the final token is a bonus
+            self._tally_tree(par, tree_ids, v.num_accepted, v.accepted_nodes, v.emitted_ids, target_probs)
             return v
 
         return verify_tree_batch
+
+    def _native_tree(self, real):
+        # our CPU kernel's trees of point-mass candidates: the same tally and broken re-draw
+        def native_tree(logits, tree_ids, parents, uniforms, params, vocab_size):
+            got = real(logits, tree_ids, parents, uniforms, params, vocab_size)
+            if got is None:
+                return None  # the loop takes the tensor path, spied above
+            path, final = got
+            self.native += 1
+            acc = (path >= 0).sum(1)  # [B]
+            emitted = torch.full((path.shape[0], path.shape[1] + 1), -1, dtype=torch.long)
+            emitted[torch.arange(path.shape[0]), acc] = final
+            p = process_logits_batch(logits, list(params), vocab_size) if self.broken else None
+            self._tally_tree(parents, tree_ids, acc, path, emitted, p)
+            return path, emitted[torch.arange(path.shape[0]), acc]
+
+        return native_tree

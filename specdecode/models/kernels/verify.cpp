@@ -24,6 +24,16 @@
 //       - T > 0 without q (sample-then-match, verify.verify_chain_match): y_k is drawn from p_k
 //         with uniforms[b, k]; drafts are kept while y_k == x_k; the final token is y at the
 //         first mismatch (or y_n).
+//   verify_tree(logits [B, N+1, V'] fp32, tree_ids [B, N] int64 (-1: no node), parents [B, N]
+//               int64 (-1: the root), uniforms [B, N+1] fp32, temperature [B] fp32 (> 0),
+//               vocab_size) -> (path [B, N] int64 (accepted nodes, root to leaf, then -1),
+//               final_ids [B] int64)
+//       A tree of point-mass candidates at T > 0 (verify_rules.verify_tree_batch, iid False):
+//       from the root (block row 0), the children of the current node are tried in index order;
+//       child i (token x) is accepted when uniforms[b, i + 1] < p'(x), p' = softmax(logits of
+//       the current node's row / T) with the children rejected there set to zero and the rest
+//       renormalised; accepting moves to row i + 1. The final token is drawn from p' at the last
+//       node with uniforms[b, 0]. Only the rows the walk visits are read.
 //
 // Every sum runs over fixed chunks of CHUNK ids in a fixed order (a chunk's maximum, its
 // exponentials relative to it, then the chunks combined), whichever thread computes a chunk, so a
@@ -335,7 +345,97 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
   return {accepted, final_ids};
 }
 
+std::tuple<torch::Tensor, torch::Tensor> verify_tree(const torch::Tensor& logits, const torch::Tensor& tree_ids,
+                                                     const torch::Tensor& parents, const torch::Tensor& uniforms,
+                                                     const torch::Tensor& temperature, int64_t vocab_size) {
+  check(logits, "logits", torch::kFloat32, 3);
+  check(tree_ids, "tree_ids", torch::kInt64, 2);
+  check(parents, "parents", torch::kInt64, 2);
+  check(uniforms, "uniforms", torch::kFloat32, 2);
+  check(temperature, "temperature", torch::kFloat32, 1);
+  const int64_t B = logits.size(0), N = tree_ids.size(1), V = vocab_size;
+  TORCH_CHECK(V >= 1 && V <= logits.size(2), "vocab_size must be in [1, V']");
+  TORCH_CHECK(tree_ids.size(0) == B && parents.sizes() == tree_ids.sizes() && temperature.size(0) == B &&
+                  uniforms.size(0) == B && uniforms.size(1) == N + 1 && logits.size(1) >= N + 1,
+              "tree_ids and parents [B, N], uniforms [B, N+1], temperature [B] and logits [B, >= N+1, V']");
+  const auto lc = logits.contiguous(), ic = tree_ids.contiguous(), pc = parents.contiguous();
+  const auto uc = uniforms.contiguous(), tc = temperature.contiguous();
+  const float *lp = lc.data_ptr<float>(), *up = uc.data_ptr<float>(), *tp = tc.data_ptr<float>();
+  const int64_t *xp = ic.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>();
+  const int64_t ld = lc.size(2), rows = lc.size(1), chunks = (V + CHUNK - 1) / CHUNK;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(tp[b] > 0.f && std::isfinite(tp[b]), "temperature[", b, "] must be finite and > 0");
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(xp[b * N + i] < 0 || (pp[b * N + i] >= -1 && pp[b * N + i] < i),
+                  "parents[", b, ", ", i, "] must name an earlier node or -1");
+  }
+  auto path = torch::full({B, N}, -1, torch::kInt64);
+  auto final_ids = torch::zeros({B}, torch::kInt64);
+  int64_t *ap = path.data_ptr<int64_t>(), *fp = final_ids.data_ptr<int64_t>();
+  std::vector<ChunkStat> st(chunks);
+  std::vector<float> w(V);
+  std::vector<double> sums(chunks);
+  for (int64_t b = 0; b < B; ++b) {
+    const float inv_t = 1.f / tp[b];
+    const int64_t* x = xp + b * N;
+    const int64_t* par = pp + b * N;
+    const auto stats = [&](int64_t r) {  // a visited row's statistics, its chunks in parallel
+      const float* xr = lp + (b * rows + r) * ld;
+      at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t e) {
+        for (int64_t c = a; c < e; ++c) st[c] = chunk_stat(xr, c * CHUNK, std::min(V, (c + 1) * CHUNK), inv_t);
+      });
+      return combine(st.data(), chunks, inv_t);
+    };
+    int64_t cur = 0, depth = 0;
+    RowStat rs = stats(0);
+    std::vector<int64_t> rejected;  // children rejected at the current node (their p goes to 0)
+    double gone = 0.0;              // their mass under the current row's p
+    for (int64_t i = 0; i < N; ++i) {
+      if (x[i] < 0 || par[i] + 1 != cur) continue;  // absent, or not a child of the current node
+      const float* xr = lp + (b * rows + cur) * ld;
+      const bool dup = std::find(rejected.begin(), rejected.end(), x[i]) != rejected.end();
+      const double px = x[i] >= V || dup ? 0.0 : prob(xr, x[i], rs, inv_t);
+      const double left = 1.0 - gone;  // mass the rejected children left
+      if (static_cast<double>(up[b * (N + 1) + i + 1]) * left < px) {
+        ap[b * N + depth++] = i;
+        cur = i + 1;
+        rs = stats(cur);
+        rejected.clear(), gone = 0.0;
+      } else {
+        rejected.push_back(x[i]);
+        gone += px;
+      }
+    }
+    // the final draw: p at the current node without the children rejected there
+    const float* xr = lp + (b * rows + cur) * ld;
+    at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t e) {
+      for (int64_t c = a; c < e; ++c)
+        sums[c] = chunk_weights(xr, nullptr, nullptr, nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs, inv_t,
+                                w.data());
+    });
+    std::vector<double> kept = sums;
+    for (const int64_t r : rejected)
+      if (r >= 0 && r < V && w[r] > 0.f) kept[r / CHUNK] -= w[r], w[r] = 0.f;
+    double mass = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) mass += kept[c];
+    // nothing left (every id of mass rejected: only rounding can do that): p itself, as the
+    // tensor path's fallback
+    fp[b] = mass > 0.0 ? draw(w.data(), kept.data(), chunks, V, up[b * (N + 1)])
+                       : [&] {
+                           std::vector<float> pw(V);
+                           std::vector<double> ps(chunks);
+                           for (int64_t c = 0; c < chunks; ++c)
+                             ps[c] = chunk_weights(xr, nullptr, nullptr, nullptr, c * CHUNK,
+                                                   std::min(V, (c + 1) * CHUNK), rs, inv_t, pw.data());
+                           return draw(pw.data(), ps.data(), chunks, V, up[b * (N + 1)]);
+                         }();
+  }
+  return {path, final_ids};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def("verify_tree(Tensor logits, Tensor tree_ids, Tensor parents, Tensor uniforms, Tensor temperature, "
+        "int vocab_size) -> (Tensor, Tensor)");
   m.def("row_argmax(Tensor x, int vocab_size) -> Tensor");
   m.def("verify_chain(Tensor logits, Tensor draft_ids, Tensor num_draft, Tensor? q, Tensor uniforms, "
         "Tensor temperature, int vocab_size, Tensor? q_ids=None) -> (Tensor, Tensor)");
@@ -344,4 +444,5 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("row_argmax", &row_argmax);
   m.impl("verify_chain", &verify_chain);
+  m.impl("verify_tree", &verify_tree);
 }
