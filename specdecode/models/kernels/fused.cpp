@@ -205,7 +205,8 @@ inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float
 // elements of every row in registers at once, so the values are read once for all the rows (the
 // 8-lane version passes over them once per 3 rows and 32 elements). Each output element is the
 // same sequence of fmas in key order, each weight the same product p * inv: bit for bit
-// weighted_sum_rows' result. Compiled for its own target; called only where `avx512_usable()`.
+// weighted_sum_rows' result. Compiled for its own target; called only when `attention_avx512`
+// turned it on (the CPU has AVX-512F).
 inline __attribute__((target("avx512f"))) __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __attribute__((target("avx512f"))) __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -444,6 +445,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
   for (int64_t c = fewest + 1; c <= std::min<int64_t>(R, 4 * fewest); ++c)
     if (load(c) < load(chunks)) chunks = c;
   const int64_t RC = (R + chunks - 1) / chunks;
+  chunks = (R + RC - 1) / RC;  // no task left without rows (e.g. 9 rows as 4 x 3)
   at::parallel_for(0, B * Hk * chunks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> s(RC * Lp);
     std::vector<float> qs(RC * D);
