@@ -141,18 +141,23 @@ def verify_tree_greedy(
     target_ids = argmax_ids(target_logits, vocab_size).tolist()  # [B, N+1]
     out = []
     for par, ids, want in zip(parents.tolist(), tree_ids.tolist(), target_ids, strict=True):
-        depth = [0] * (len(ids) + 1)
         cur, kept, emitted = 0, [0], []
         for i, (pa, x) in enumerate(zip(par, ids, strict=True)):
-            if x < 0:
-                continue
-            depth[i + 1] = depth[pa + 1] + 1
-            if pa + 1 == cur and x == want[cur]:
+            if x >= 0 and pa + 1 == cur and x == want[cur]:
                 emitted.append(x)
                 kept.append(i + 1)
                 cur = i + 1
-        out.append((emitted + [want[cur]], kept, max(depth)))
+        out.append((emitted + [want[cur]], kept, _deepest(par, ids)))
     return out
+
+
+def _deepest(parents: list[int], ids: list[int]) -> int:
+    """Depth of a row's deepest node (ids of -1: no node), as verify_tree_batch counts it."""
+    depth = [0] * (len(ids) + 1)
+    for i, (pa, x) in enumerate(zip(parents, ids, strict=True)):
+        if x >= 0:
+            depth[i + 1] = depth[pa + 1] + 1
+    return max(depth)
 
 
 def verify_step(
@@ -267,18 +272,14 @@ def _tree_verdicts(
     final_ids: torch.Tensor,
     num_draft: list[int],
 ) -> list[Verdict]:
-    """Verdicts from the kernel's accepted paths (nodes, then -1) and final tokens; depth as the
-    tensor path counts it (the row's deepest node)."""
+    """Verdicts from the kernel's accepted paths (nodes, then -1) and final tokens."""
     out = []
     for par, ids, nodes, fin, n in zip(
         parents.tolist(), tree_ids.tolist(), path.tolist(), final_ids.tolist(), num_draft, strict=True
     ):
-        depth = [0] * (len(ids) + 1)
-        for i, (pa, x) in enumerate(zip(par, ids, strict=True)):
-            if x >= 0:
-                depth[i + 1] = depth[pa + 1] + 1
         nodes = [i for i in nodes if i >= 0]
-        out.append(Verdict([ids[i] for i in nodes] + [fin], [0] + [i + 1 for i in nodes], n, max(depth)))
+        emitted, kept = [ids[i] for i in nodes] + [fin], [0] + [i + 1 for i in nodes]
+        out.append(Verdict(emitted, kept, n, _deepest(par, ids)))
     return out
 
 

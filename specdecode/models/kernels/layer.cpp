@@ -73,7 +73,7 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
                            int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& qkv_in,
                            const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm) {
   TORCH_CHECK(x.dim() == 2 && k_dst.dim() == 4, "x must be [T, d] and k_dst [B, N, Hk, D]");
-  const int64_t T = x.size(0), B = k_dst.size(0), N = k_dst.size(1), G = H / Hk;
+  const int64_t T = x.size(0), B = k_dst.size(0), N = k_dst.size(1);
   TORCH_CHECK(B * N == T && k_dst.size(2) == Hk && k_dst.size(3) == D, "k_dst must be [B, N, Hk, D] with B * N = T");
   const c10::optional<torch::Tensor> none;
   // 1. attention input: norm, fused QKV product, RoPE on q and k in place

@@ -177,6 +177,16 @@ int64_t draw(const float* w, const double* sums, int64_t chunks, int64_t V, floa
   return 0;
 }
 
+// A draw from p itself (a row's softmax at T), for a residual left without mass: p == q, where a
+// rejection has probability 0 and only rounding can make one (as verify_rules._normalised_or).
+int64_t draw_from_p(const float* x, const RowStat& r, float inv_t, int64_t V, int64_t chunks, float u) {
+  std::vector<double> ps(chunks);
+  std::vector<float> pw(V);
+  for (int64_t c = 0; c < chunks; ++c)
+    ps[c] = chunk_weights(x, nullptr, nullptr, nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), r, inv_t, pw.data());
+  return draw(pw.data(), ps.data(), chunks, V, u);
+}
+
 void check(const torch::Tensor& t, const char* name, c10::ScalarType type, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == type && t.device().is_cpu() && t.dim() == dim, name, " must be a ", dim,
               "-D ", c10::toString(type), " tensor on the CPU");
@@ -322,16 +332,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
     double mass = 0.0;
     for (int64_t c = 0; c < chunks; ++c) mass += sd[c];
     const float u = has_q ? up[b * (K + 1) + K] : up[b * (K + 1) + k];
-    if (mass <= 0.0) {  // p == q: a rejection only rounding can cause; p is the answer
-      std::vector<double> ps(chunks);
-      std::vector<float> pw(V);
-      for (int64_t c = 0; c < chunks; ++c)
-        ps[c] = chunk_weights(row(b, k), nullptr, nullptr, nullptr, c * CHUNK, std::min(V, (c + 1) * CHUNK), rs[b][k],
-                              inv_t[b], pw.data());
-      drawn[d] = draw(pw.data(), ps.data(), chunks, V, u);
-    } else {
-      drawn[d] = draw(wd, sd, chunks, V, u);
-    }
+    drawn[d] = mass > 0.0 ? draw(wd, sd, chunks, V, u) : draw_from_p(row(b, k), rs[b][k], inv_t[b], V, chunks, u);
   }
   std::vector<char> open(B, 1);  // a matched request not yet decided
   for (int64_t d = 0; d < D; ++d) {  // draws run row by row within a request
@@ -420,15 +421,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_tree(const torch::Tensor& logits
     for (int64_t c = 0; c < chunks; ++c) mass += kept[c];
     // nothing left (every id of mass rejected: only rounding can do that): p itself, as the
     // tensor path's fallback
-    fp[b] = mass > 0.0 ? draw(w.data(), kept.data(), chunks, V, up[b * (N + 1)])
-                       : [&] {
-                           std::vector<float> pw(V);
-                           std::vector<double> ps(chunks);
-                           for (int64_t c = 0; c < chunks; ++c)
-                             ps[c] = chunk_weights(xr, nullptr, nullptr, nullptr, c * CHUNK,
-                                                   std::min(V, (c + 1) * CHUNK), rs, inv_t, pw.data());
-                           return draw(pw.data(), ps.data(), chunks, V, up[b * (N + 1)]);
-                         }();
+    const float u = up[b * (N + 1)];
+    fp[b] = mass > 0.0 ? draw(w.data(), kept.data(), chunks, V, u) : draw_from_p(xr, rs, inv_t, V, chunks, u);
   }
   return {path, final_ids};
 }
