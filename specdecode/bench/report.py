@@ -3,9 +3,12 @@
 Contract: `summarize(rows)` -> per (T, batch, method, category) medians of tokens/s, tau and
 speed-up over `ar` (the speed-up of a row is its tokens/s over `ar`'s for the same prompt,
 T, batch and repeat; a category's figure is the median, the overall one the geometric mean of
-the category medians). `write_report(out, cfg, meta, rows)` writes `report.md` with those
-tables, per-position conditional acceptance, draft/verify time shares and the hardware limit,
-plus `speedup_T*.png`, `acceptance_T*.png` and `time_share.png` (matplotlib, Agg backend).
+the category medians), with a distribution-free confidence interval of each category's median
+(`median_ci`: order statistics of the paired ratios, scipy's `quantile_test`), so a cell below a
+line can be told apart from a cell whose interval straddles it. `write_report(out, cfg, meta,
+rows)` writes `report.md` with those tables, per-position conditional acceptance, draft/verify
+time shares and the hardware limit, plus `speedup_T*.png`, `acceptance_T*.png` and
+`time_share.png` (matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -21,8 +24,26 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
+CI_LEVEL = 0.9  # confidence of the interval around each cell's median speed-up
+LINE = 0.95  # the speed-up no method should fall below (the runtime issue's line)
+
+
+def median_ci(xs: list[float], level: float = CI_LEVEL) -> tuple[float, float] | None:
+    """A `level` confidence interval of the median of xs from their order statistics (no
+    assumption on the distribution: the paired ratios of a noisy host are skewed); None where xs
+    are too few for one (fewer than 5 at 0.9)."""
+    from scipy.stats import quantile_test  # deferred: scipy comes with the `bench` extra
+
+    if len(xs) < 2:
+        return None
+    ci = quantile_test(xs, q=statistics.median(xs), p=0.5).confidence_interval(confidence_level=level)
+    lo, hi = float(ci.low), float(ci.high)
+    return None if math.isnan(lo) or math.isnan(hi) else (lo, hi)
+
+
 def summarize(rows: list[dict]) -> dict:
-    """{(T, B): {method: {category: {"tps", "tau", "speedup"}}}} plus "all" per method."""
+    """{(T, B): {method: {category: {"tps", "tau", "speedup", "ci", "n"}}}} plus "all" per
+    method; "ci" is `median_ci` of the category's paired speed-ups (None where too few)."""
     ar = {
         (r["prompt_id"], r["temperature"], r["batch"], r["repeat"]): r["tokens_per_s"]
         for r in rows
@@ -47,6 +68,7 @@ def summarize(rows: list[dict]) -> dict:
                     "tps": statistics.median(r["tokens_per_s"] for r in rs),
                     "tau": statistics.median(taus) if taus else None,
                     "speedup": statistics.median(sp) if sp else None,
+                    "ci": median_ci(sp),
                     "n": len(rs),
                 }
             out[cfg][m]["all"] = {
@@ -124,6 +146,7 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
                 + " | ".join(cells)
                 + f" | {_fmt(allv['speedup'], '.2f')}x | {allv['tps'] / ceiling:.2f} |"
             )
+        lines += _interval_lines(per, methods, cats)
         lines += ["", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
         for m in methods:
             if m in per:
@@ -182,6 +205,40 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
         lines.append("")
     lines += ["Plots: " + ", ".join(f"`{p.name}`" for p in _plots(out, summ, rows, cats, methods, temps)), ""]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _interval_lines(per: dict, methods: list[str], cats: list[str]) -> list[str]:
+    """The confidence intervals of one (T, batch) table's cells, and which cells lie below LINE:
+    wholly (the interval's top under it) or only at the median (the interval straddles it)."""
+    spec = [m for m in methods if m in per and m != "ar"]
+    if not spec:
+        return []
+    pct = f"{CI_LEVEL:.0%}"
+    lines = [
+        "",
+        f"{pct} confidence interval of each cell's median speed-up (order statistics of its paired "
+        "ratios; '-' where too few for one):",
+        "",
+        "| method | " + " | ".join(cats) + " |",
+        "|---" * (len(cats) + 1) + "|",
+    ]
+    below, straddle = [], []
+    for m in spec:
+        cells = []
+        for c in cats:
+            v = per[m].get(c) or {}
+            ci, sp = v.get("ci"), v.get("speedup")
+            cells.append("-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}")
+            if sp is not None and sp < LINE:
+                name = f"{m} on {c} ({sp:.2f}x" + ("" if ci is None else f", {ci[0]:.2f}-{ci[1]:.2f}") + ")"
+                (below if ci is not None and ci[1] < LINE else straddle).append(name)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Below {LINE}x with {pct} confidence: {', '.join(below) or 'none'}. "
+        f"Median below {LINE}x, interval reaching above it: {', '.join(straddle) or 'none'}.",
+    ]
+    return lines
 
 
 def _save(fig, path: Path) -> Path:

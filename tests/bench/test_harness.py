@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specdecode.bench.harness import BenchConfig, run_bench
-from specdecode.bench.report import acceptance_by_position, summarize
+from specdecode.bench.report import _interval_lines, acceptance_by_position, median_ci, summarize
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
@@ -100,6 +100,34 @@ def test_summary_math():
     s = summarize(rows)[(0.0, 1)]
     assert s["x"]["c"]["speedup"] == 2.5 and s["x"]["all"]["speedup"] == pytest.approx(2.5)
     assert acceptance_by_position(rows, "x", 0.0) == [0.75, pytest.approx(1 / 3)]
+
+
+def test_median_ci_is_the_order_statistics_interval():
+    xs = [1.1, 0.9, 1.0, 0.95, 1.02, 0.97, 1.05, 0.99]
+    # n = 8 at 90 %: the 2nd and 7th smallest (the sign test's interval, coverage 0.93)
+    assert median_ci(xs) == (0.95, 1.05)
+    assert median_ci(xs[:4]) is None  # four ratios cannot give a 90 % interval
+
+
+def _ratio_rows(method, category, ratios):
+    rows = []
+    for i, r in enumerate(ratios):
+        key = dict(category=category, prompt_id=f"{category}{i}", temperature=0.0, batch=1, repeat=0)
+        rows.append(dict(method="ar", tokens_per_s=10.0, tau=1.0, **key))
+        rows.append(dict(method=method, tokens_per_s=10.0 * r, tau=1.1, **key))
+    return rows
+
+
+def test_report_tells_cells_below_the_line_from_cells_within_noise_of_it():
+    rows = _ratio_rows("slow", "chat", [0.80, 0.85, 0.86, 0.88, 0.90, 0.91, 0.92, 0.93])
+    rows += _ratio_rows("noisy", "code", [0.80, 0.88, 0.90, 0.93, 0.95, 1.00, 1.05, 1.10])
+    rows += _ratio_rows("fast", "math", [1.2] * 8)
+    per = summarize(rows)[(0.0, 1)]
+    assert per["slow"]["chat"]["ci"] == pytest.approx((0.85, 0.92))
+    text = "\n".join(_interval_lines(per, ["ar", "slow", "noisy", "fast"], ["chat", "code", "math"]))
+    assert "Below 0.95x with 90% confidence: slow on chat (0.89x, 0.85-0.92)." in text
+    assert "interval reaching above it: noisy on code (0.94x, 0.88-1.05)." in text
+    assert "fast" in text and "fast on" not in text  # a row of intervals, named below no line
 
 
 @pytest.mark.parametrize(
