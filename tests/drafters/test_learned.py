@@ -560,3 +560,28 @@ def test_a_small_eagle_tree_grows_only_as_deep_as_it_keeps(tiny, trained, monkey
         (tok_s, drafts_s, rounds, passes_s, saved), (tok_f, drafts_f, rounds_f, passes_f, _) = runs
         assert tok_s == tok_f and drafts_s == drafts_f and rounds == rounds_f > 3
         assert passes_f - passes_s == saved >= rounds * (depth - k) // 2
+
+
+@pytest.mark.parametrize("when_sampling", ["chain", "tree"])
+def test_an_eagle_tree_drafts_sampled_rounds_as_chains_unless_told_otherwise(tiny, trained, when_sampling):
+    """Greedy rounds grow trees; a round with a sampling request drafts a sampled chain of at most
+    `depth` drafts (with q for rejection sampling) by default, a tree with `when_sampling="tree"`."""
+    out, _ = trained("eagle")
+    spec = TreeSpec(depth=3, topk=3, num_nodes=10, when_sampling=when_sampling)
+    prompts = short_prompts(tiny.tokenizer)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        drafter = load_eagle(out, tiny, tree=spec)
+        props = []
+        inner = drafter.propose
+        drafter.propose = lambda batch, n, inner=inner, p=props: p.append(inner(batch, n)) or p[-1]
+        decode_fixed_k(tiny, drafter, 10, prompts[:1], params=params, max_batch=1, max_new=16)
+        props = [p for p in props if p.max_k > 0]
+        assert props
+        if params.greedy or when_sampling == "tree":
+            assert all(p.parents is not None for p in props)
+            assert max(p.max_k for p in props) > spec.depth  # trees: more nodes than levels
+        else:
+            assert all(p.parents is None and p.draft_probs is not None for p in props)
+            assert max(p.max_k for p in props) == spec.depth  # chains, cut at the tree's depth
+    with pytest.raises(ValueError, match="when_sampling"):
+        TreeSpec(when_sampling="sometimes")

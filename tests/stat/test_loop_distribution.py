@@ -110,7 +110,7 @@ def _eagle(peaked, tree: bool):
     with _seeded(2), torch.no_grad():
         net = Eagle3(EagleConfig.for_target(target.model.info, target.config, len(peaked.support)))
         net.init_from_target(target.model.lm_head_weight(), _d2t(peaked))
-    spec = TreeSpec(depth=K, topk=2, num_nodes=TREE_NODES) if tree else None
+    spec = TreeSpec(depth=K, topk=2, num_nodes=TREE_NODES, when_sampling="tree") if tree else None
     return EagleDrafter(net.eval(), target, tree=spec)
 
 
