@@ -1,8 +1,10 @@
 """EAGLE-2 trees at T > 0: trees of point-mass siblings against sampled chains, interleaved.
 
 One process, one loaded target; per prompt (the bench categories, chat template) it decodes with
-`ar`, then `eagle-tree` drafting trees at T > 0 (`TreeSpec.when_sampling="tree"`), `eagle-tree` as
-shipped (sampled chains of at most the tree's depth) and the `eagle` chain, in alternating order
+`ar`, then `eagle-tree` drafting trees at T > 0 (`TreeSpec.when_sampling="tree"`), `eagle-tree`
+drafting sampled chains under a policy blind to their cut (it reads K up to the tree's node count,
+`AdaptiveK.sampled_k_max` = K_max), `eagle-tree` as shipped (sampled chains of at most the tree's
+depth, a policy that knows it) and the `eagle` chain, in alternating order
 per prompt, each with the default adaptive policy and the same seed. A cell's speed-up is the
 median over its prompts and repeats of the per-prompt tokens/s over `ar`'s (geometric mean over
 categories). The drafting-cost profile is the shipped variant's (measured once per machine).
@@ -45,11 +47,17 @@ def main() -> None:
     variants = {
         "ar": build(LoadOptions(tgt, "ar")),
         "eagle-tree (trees at T > 0)": build(LoadOptions(tgt, "eagle-tree")),
+        "eagle-tree (chains, policy blind to the cut)": build(LoadOptions(tgt, "eagle-tree")),
         "eagle-tree (shipped: chains at T > 0)": build(LoadOptions(tgt, "eagle-tree")),
         "eagle (chain)": build(LoadOptions(tgt, "eagle")),
     }
     old = variants["eagle-tree (trees at T > 0)"].drafter
     old.tree = dataclasses.replace(old.tree, when_sampling="tree")
+    old.sampled_k_max = None  # trees of up to K nodes at every temperature ...
+    pol = variants["eagle-tree (trees at T > 0)"].decoder.policy
+    pol.sampled_k_max = pol.k_max  # ... and a policy that reads them so
+    blind = variants["eagle-tree (chains, policy blind to the cut)"].decoder.policy
+    blind.sampled_k_max = blind.k_max
     tok = tgt.tokenizer
     items = [
         (c, tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -301,5 +301,6 @@ def build(options: LoadOptions) -> SpecDecode:
         draft_curve=draft_curve,
         verify_curves=verify_curves,
         sampled_extra=sampled_extra,
+        sampled_k_max=drf.sampled_k_max,
     )
     return SpecDecode(tgt, drf, pol, o.method, max_batch=o.max_batch, verify_mode=o.verify_mode)

@@ -101,6 +101,7 @@ class Drafter:
     # Relative cost of one draft token vs one target step; the adaptive policy uses it.
     cost_per_token: float = 0.0
     cost_points: tuple[int, ...] = ()  # K besides 1 and K_max where a round's cost bends (timed)
+    sampled_k_max: int | None = None  # most drafts a round gives a request at T > 0 (None: K)
     deterministic: bool = True  # True: point-mass drafts (draft_probs is None)
     provides_confidences: bool = False  # proposals carry extras["confidences"] [B, K]
     model = None  # a drafter that is a CausalLM of its own (the draft model): its step is timed

@@ -55,6 +55,7 @@ def make_policy(
     draft_curve: Sequence[float] | None = None,
     verify_curves: dict[int, Sequence[float]] | None = None,
     sampled_extra: Sequence[float] | None = None,
+    sampled_k_max: int | None = None,
 ) -> DraftPolicy:
     """step_cost: a `StepCostModel` (measured SPS profile), needed by the scheduled policies;
     online: the scheduled policies correct that profile and the drafting cost from measured steps;
@@ -62,7 +63,9 @@ def make_policy(
     measured cost for K = 1..k, which the adaptive policy reads instead of the line where given;
     verify_curves: {context: seconds of forwards of 1..k+1 tokens}, read by the adaptive policy at
     each request's context; sampled_extra: what a sampled step with K = 0..k drafts costs beyond a
-    greedy one (beyond plain sampled decoding), in target steps, added for requests at T > 0."""
+    greedy one (beyond plain sampled decoding), in target steps, added for requests at T > 0;
+    sampled_k_max: the most drafts the drafter gives a request at T > 0 (an EAGLE-2 tree's
+    sampled chain), the adaptive policy's bound for such requests."""
     if name == "fixed":
         return FixedK(k)
     if name == "adaptive":
@@ -74,6 +77,7 @@ def make_policy(
             draft_curve=draft_curve,
             verify_curves=verify_curves,
             sampled_extra=sampled_extra,
+            sampled_k_max=sampled_k_max,
         )
     if name in ("scheduled", "scheduled-production"):
         if step_cost is None:

@@ -13,7 +13,10 @@ token and draft_fixed what a drafting round costs beyond its tokens (a block dra
 forward, catching up on committed context), both relative to a target step (measured once per
 machine for learned drafters: `build.py`). A request that samples (T > 0) adds `sampled_extra[K]`:
 what drafting q and verifying by rejection cost beyond a greedy step with the same K, beyond
-what plain sampled decoding pays too (measured with the round costs). When acceptance is poor
+what plain sampled decoding pays too (measured with the round costs), and its K is bounded by
+`sampled_k_max` where the drafter gives sampled rounds fewer drafts than greedy ones (an EAGLE-2
+tree drafts a chain of at most its depth at T > 0: E[tau] of K > depth would be a promise the
+round cannot keep). When acceptance is poor
 it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
 recover when the text becomes predictable again. Where the measured costs say that even perfect
 acceptance would not pay, it never drafts. Decisions depend only on the request's
@@ -47,6 +50,7 @@ class AdaptiveK(DraftPolicy):
         draft_curve: Sequence[float] | None = None,
         verify_curves: dict[int, Sequence[float]] | None = None,
         sampled_extra: Sequence[float] | None = None,
+        sampled_k_max: int | None = None,
     ):
         """verify_cost: relative cost per extra verified token, or the measured curve
         [t(1), t(2), ..., t(k_max + 1)] / t(1) of target forwards of n tokens; draft_curve:
@@ -77,6 +81,9 @@ class AdaptiveK(DraftPolicy):
         if self.sampled_extra is not None and len(self.sampled_extra) < k_max + 1:
             n = len(self.sampled_extra)
             raise ValueError(f"sampled_extra needs {k_max + 1} entries (K = 0..K_max), got {n}")
+        if sampled_k_max is not None and sampled_k_max < 1:
+            raise ValueError(f"sampled_k_max must be >= 1 (or None), got {sampled_k_max}")
+        self.sampled_k_max = k_max if sampled_k_max is None else min(k_max, sampled_k_max)
         self.verify_curves = None
         if verify_curves:
             curves = {int(c): [float(t) for t in v] for c, v in sorted(verify_curves.items())}
@@ -121,10 +128,9 @@ class AdaptiveK(DraftPolicy):
         return verify[k] + self.draft_fixed + k * self.draft_cost + extra
 
     def best_k(self, alpha: float, context: int | None = None, sampled: bool = False) -> int:
-        speedups = [
-            expected_tau(alpha, k) / self.round_cost(k, context, sampled) for k in range(self.k_max + 1)
-        ]
-        k = max(range(self.k_max + 1), key=lambda k: (speedups[k], -k))
+        top = self.sampled_k_max if sampled else self.k_max
+        speedups = [expected_tau(alpha, k) / self.round_cost(k, context, sampled) for k in range(top + 1)]
+        k = max(range(top + 1), key=lambda k: (speedups[k], -k))
         return k if speedups[k] >= 1.0 + self.MARGIN else 0
 
     def choose(self, states: list[PolicyState]) -> list[int]:

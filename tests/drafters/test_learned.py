@@ -236,6 +236,11 @@ def test_adaptive_policy_times_a_learned_drafters_rounds_once(trained, tiny, tmp
     again = build_mod.build(opts).decoder.policy  # cached: the same decisions, nothing timed
     assert not calls and (again.draft_fixed, again.draft_cost) == (pol.draft_fixed, pol.draft_cost)
     assert again.draft_curve == pol.draft_curve and len(pol.draft_curve) == 3
+    assert pol.sampled_k_max == 3  # a chain drafter drafts what it is asked at any temperature
+    tree_opts = build_mod.LoadOptions(target=tiny, method="eagle-tree", drafter=str(out), num_draft_tokens=8)
+    tree = build_mod.build(tree_opts)
+    depth = tree.decoder.drafter.tree.depth
+    assert 1 < depth < 8 and tree.decoder.policy.sampled_k_max == depth  # sampled rounds: chains
 
 
 def test_served_tau_is_evaluated_on_a_prompt_sets_heldout_split(
@@ -583,5 +588,7 @@ def test_an_eagle_tree_drafts_sampled_rounds_as_chains_unless_told_otherwise(tin
         else:
             assert all(p.parents is None and p.draft_probs is not None for p in props)
             assert max(p.max_k for p in props) == spec.depth  # chains, cut at the tree's depth
+        # ... and says so to the policy, which then prices no sampled round past the cut
+        assert drafter.sampled_k_max == (spec.depth if when_sampling == "chain" else None)
     with pytest.raises(ValueError, match="when_sampling"):
         TreeSpec(when_sampling="sometimes")

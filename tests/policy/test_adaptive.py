@@ -93,6 +93,20 @@ def test_a_sampled_request_pays_its_extra_and_a_greedy_one_does_not():
         AdaptiveK(k_max=4, verify_cost=flat, sampled_extra=[0.0, 0.1])
 
 
+def test_a_sampled_request_is_bounded_by_what_the_drafter_drafts_when_sampling():
+    """An EAGLE-2 tree drafts a chain of at most its depth at T > 0: the policy gives such a
+    request no K past `sampled_k_max` (E[tau] of more drafts would be a promise the round cannot
+    keep), and a greedy request still gets up to k_max."""
+    flat = [1.0] * 17
+    pol = make_policy("adaptive", 16, draft_cost=0.01, verify_cost=flat, sampled_k_max=5)
+    assert pol.best_k(0.95) == 16 and pol.best_k(0.95, sampled=True) == 5
+    states = [PolicyState(accepted=9.5, tried=10.0), PolicyState(accepted=9.5, tried=10.0, sampled=True)]
+    assert pol.choose(states) == [16, 5]
+    assert AdaptiveK(k_max=3, verify_cost=flat, sampled_k_max=5).best_k(0.95, sampled=True) == 3
+    with pytest.raises(ValueError, match="sampled_k_max"):
+        AdaptiveK(k_max=4, verify_cost=flat, sampled_k_max=0)
+
+
 def test_a_round_must_promise_the_margin_over_plain_decoding():
     """Free verification and drafting: one draft at acceptance alpha promises 1 + alpha. Below
     1 + MARGIN the policy decodes plainly (the model leaves out catch-up and probes), above it

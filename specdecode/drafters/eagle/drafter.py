@@ -82,6 +82,8 @@ class EagleDrafter(Drafter):
         self.tree = tree
         self.deterministic = tree is not None
         self.cost_points = (tree.depth,) if tree else ()  # a tree of K nodes grows min(K, depth) levels
+        if tree is not None and tree.when_sampling == "chain":  # sampled rounds: a chain <= depth
+            self.sampled_k_max = tree.depth
         self.cost_per_token = cost_per_token
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
