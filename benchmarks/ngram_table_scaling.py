@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="regen directory (its train split)")
     ap.add_argument("--eval-data", required=True, help="prompt set or regen directory with held-out prompts")
     ap.add_argument("--sizes", default="300,1000,3000,10000,all")
+    ap.add_argument("--min-counts", default="4", help="comma-separated: each size counted at each")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--num-draft", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -42,11 +43,13 @@ def main() -> None:
     seqs = table_answers(Path(a.data), target)  # as `train ngram-table` counts them
     prompts = heldout_prompts(a.eval_data, target, a.prompts)
     rows = []
-    for size in a.sizes.split(","):
+    points = [(size, int(m)) for size in a.sizes.split(",") for m in a.min_counts.split(",")]
+    for size, min_count in points:
         n = len(seqs) if size == "all" else min(int(size), len(seqs))
         t0 = time.perf_counter()
-        table = NgramTable.build(seqs[:n])
-        row = {"answers": n, "tokens": sum(len(s) for s in seqs[:n]), "contexts": table.size}
+        table = NgramTable.build(seqs[:n], min_count=min_count)
+        row = {"answers": n, "min_count": min_count, "tokens": sum(len(s) for s in seqs[:n])}
+        row["contexts"] = table.size
         row["count_s"] = round(time.perf_counter() - t0, 1)
         for temp in (0.0, 1.0):
             ev = evaluate(NgramDrafter(table=table), target, prompts, a.num_draft, a.max_new_tokens, temp)
@@ -62,17 +65,17 @@ def main() -> None:
         f"# ngram-table: served tau against regenerated answers ({a.target})",
         "",
         f"Machine: {meta['machine']}. {len(prompts)} held-out prompts, K {a.num_draft} fixed, "
-        f"{a.max_new_tokens} new tokens; tables counted from the first n answers (min count 4).",
+        f"{a.max_new_tokens} new tokens; tables counted from the first n answers.",
         "",
         f"Command: `python benchmarks/ngram_table_scaling.py --data {a.data} --eval-data {a.eval_data} "
-        f"--sizes {a.sizes} --out {a.out}`",
+        f"--sizes {a.sizes} --min-counts {a.min_counts} --prompts {a.prompts} --out {a.out}`",
         "",
-        "| answers | tokens | contexts | tau greedy | tau T=1 | acceptance k=1..3 (greedy) |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| answers | min count | tokens | contexts | tau greedy | tau T=1 | acceptance k=1..3 (greedy) |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         acc = " / ".join(f"{x:.2f}" for x in r["acceptance_T0"][:3])
-        size = f"| {r['answers']:,} | {r['tokens']:,} | {r['contexts']:,} "
+        size = f"| {r['answers']:,} | {r['min_count']} | {r['tokens']:,} | {r['contexts']:,} "
         lines.append(size + f"| {r['tau_T0']:.2f} | {r['tau_T1']:.2f} | {acc} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     import matplotlib
@@ -81,9 +84,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    xs = [r["answers"] for r in rows]
-    ax.plot(xs, [r["tau_T0"] for r in rows], "o-", label="greedy")
-    ax.plot(xs, [r["tau_T1"] for r in rows], "s-", label="T = 1")
+    for m in dict.fromkeys(r["min_count"] for r in rows):
+        sel = [r for r in rows if r["min_count"] == m]
+        xs = [r["answers"] for r in sel]
+        ax.plot(xs, [r["tau_T0"] for r in sel], "o-", label=f"greedy, min count {m}")
+        ax.plot(xs, [r["tau_T1"] for r in sel], "s-", label=f"T = 1, min count {m}")
     ax.set_xscale("log")
     ax.set_xlabel("regenerated answers counted")
     ax.set_ylabel("served tau")
