@@ -1,6 +1,7 @@
 """Runtime benchmark: where a target step's time goes, per weight format, on this machine.
 
-For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4) the target is
+For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4; or `kernel:NAME`,
+one kernel of `formats.KERNELS` at every size) the target is
 loaded and measured in one process, formats interleaved per repeat so that machine noise hits
 them alike:
 - T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.models.formats import BUCKETS, FormatPlan
 from specdecode.models.loader import load_model
 
 CONTEXT = 256
@@ -136,7 +138,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     names = [f for f in a.formats.split(",") if f]
-    models = {f: load_model(a.target, dtype=f, device="cpu").model for f in names}
+    models = {f: _load(a.target, f) for f in names}
     state = {f: _setup(m) for f, m in models.items()}
     if "auto" in models:  # the same weights and cache, layers op by op
         models[PY_LAYERS], state[PY_LAYERS] = models["auto"], state["auto"]
@@ -185,6 +187,16 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "formats": res}, indent=1))
     (out / "report.md").write_text(report(meta, res))
     print((out / "report.md").read_text())
+
+
+def _load(target: str, fmt: str):
+    """A `--dtype` value, or `kernel:NAME`: one kernel of `formats.KERNELS` at every size (e.g.
+    `kernel:int8`, int8 with fp32 activations, beside `int8`, the int8 kernel measured fastest)."""
+    if not fmt.startswith("kernel:"):
+        return load_model(target, dtype=fmt, device="cpu").model
+    model = load_model(target, dtype="fp32", device="cpu").model
+    model.use_formats(FormatPlan((fmt.split(":", 1)[1],) * len(BUCKETS)), keep_masters=False)
+    return model
 
 
 def _cpu() -> str:
