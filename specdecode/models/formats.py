@@ -440,13 +440,16 @@ def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLA
     return FormatPlan(min(ranked)[3])
 
 
-def auto_plan(
-    shapes: Sequence[tuple[int, int]], head: tuple[int, int] | None, num_layers: int, device: torch.device
-) -> tuple[FormatPlan, dict]:
-    """The measured plan for these shapes on this machine (cached); returns (plan, record)."""
-    if device.type != "cpu":
-        return forced_plan("bf16"), {"reason": f"{device.type}: bf16 tensor cores"}
-
+def _measurement_key(
+    shapes: Sequence[tuple[int, int]],
+    head: tuple[int, int] | None,
+    num_layers: int,
+    candidates: Sequence[str],
+    buckets: Sequence[int],
+    *extra: str,
+) -> str:
+    """What a format measurement depends on (torch, CPU capability and model, threads, the
+    model's shapes, the candidates and buckets timed, and `extra`), hashed: its cache key."""
     ident = [
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
@@ -455,12 +458,29 @@ def auto_plan(
         json.dumps([list(s) for s in shapes]),
         str(head),
         str(num_layers),
-        ",".join(AUTO_CANDIDATES),
-        ",".join(map(str, BUCKETS)),
+        ",".join(candidates),
+        ",".join(map(str, buckets)),
+        *extra,
+    ]
+    return hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+
+
+def auto_plan(
+    shapes: Sequence[tuple[int, int]], head: tuple[int, int] | None, num_layers: int, device: torch.device
+) -> tuple[FormatPlan, dict]:
+    """The measured plan for these shapes on this machine (cached); returns (plan, record)."""
+    if device.type != "cpu":
+        return forced_plan("bf16"), {"reason": f"{device.type}: bf16 tensor cores"}
+
+    key = _measurement_key(
+        shapes,
+        head,
+        num_layers,
+        AUTO_CANDIDATES,
+        BUCKETS,
         f"{PLAN_SLACK},{MAX_COPIES}",
         kernels.source_tag(),  # our kernels changed: time them again
-    ]
-    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    )
     path = cache_dir() / "formats" / f"{key}.json"
 
     def measure() -> dict:
@@ -498,18 +518,7 @@ def quantized_plan(
         return forced_plan(name, device), {"reason": "one format"}
     candidates = QUANTIZED_CANDIDATES[name]
     buckets = [m for m in BUCKETS if m <= DECODE_ROWS]
-    ident = [
-        torch.__version__,
-        torch.backends.cpu.get_cpu_capability(),
-        _cpu_model(),
-        str(torch.get_num_threads()),
-        json.dumps([list(s) for s in shapes]),
-        str(head),
-        str(num_layers),
-        ",".join(candidates),
-        ",".join(map(str, buckets)),
-    ]
-    key = hashlib.sha256("|".join(ident).encode()).hexdigest()[:24]
+    key = _measurement_key(shapes, head, num_layers, candidates, buckets)
 
     def measure() -> dict:
         profile = measure_kernels(shapes, head, num_layers, candidates, buckets)
