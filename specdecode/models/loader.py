@@ -158,7 +158,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def _plan(fmt: str, model):
     """The weight-format plan for `--dtype fmt` on a NativeDecoder (measured for `auto`, and
     among the quantized format's kernels for `int8` / `int4`)."""
-    if fmt not in ("auto", "int8", "int4"):
+    if fmt not in FORMATS:
         return formats.forced_plan(fmt, model.info.device)
     s = model.spec
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -169,9 +169,11 @@ def _plan(fmt: str, model):
         (s.hidden_size, s.intermediate_size),
     ]
     head = tuple(model.lm_head_weight().shape)
-    measured = formats.auto_plan if fmt == "auto" else formats.quantized_plan
     args = (shapes, head, s.num_layers, model.info.device)
-    plan, model.format_record = measured(*args) if fmt == "auto" else measured(fmt, *args)
+    if fmt == "auto":
+        plan, model.format_record = formats.auto_plan(*args)
+    else:
+        plan, model.format_record = formats.quantized_plan(fmt, *args)
     return plan
 
 
