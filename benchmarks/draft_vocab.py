@@ -41,6 +41,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.request import GenerationRequest
 from specdecode.training.data import regen_dirs
 from specdecode.training.regen import prompt_ids
+from specdecode.training.vocab import vocabulary_of
 
 METHODS = ("eagle", "dspark", "dflash", "mtp", "medusa")
 
@@ -90,14 +91,6 @@ def response_counts(data: str) -> Counter:
     return counts
 
 
-def top_vocab(counts: Counter, size: int, eos_ids) -> torch.Tensor:
-    chosen = [t for t, _ in counts.most_common(size)]
-    for e in eos_ids:
-        if e not in chosen:
-            chosen = chosen[: size - 1] + [e]
-    return torch.tensor(sorted(chosen))
-
-
 def share(tokens: list[int], vocab) -> float:
     v = set(vocab.tolist() if torch.is_tensor(vocab) else vocab)
     return round(sum(t in v for t in tokens) / max(len(tokens), 1), 4)
@@ -128,7 +121,7 @@ def main() -> None:
         answers[s] = [t for r in sd.decoder.generate(reqs) for t in r.token_ids]
     counts = response_counts(a.data)
     sizes = [int(x) for x in a.sizes.split(",")]
-    tops = {v: top_vocab(counts, v, target.eos_token_ids) for v in sizes}
+    tops = {v: vocabulary_of(counts, v, target.eos_token_ids, target.model.info.vocab_size)[0] for v in sizes}
     vocabs = [(f"shipped {m}", read_weights(p)["d2t"]) for m in METHODS if (p := shipped_drafter(m, target))]
     vocabs += [(f"top {v} of the data", d2t) for v, d2t in tops.items()]
     coverage = [{"vocabulary": name, **{s: share(answers[s], d2t) for s in sources}} for name, d2t in vocabs]

@@ -23,6 +23,7 @@ from specdecode.config import SamplingParams
 from specdecode.datasets import load_categories
 from specdecode.models.loader import load_model
 from specdecode.request import GenerationRequest
+from specdecode.training.regen import prompt_ids
 
 CATEGORIES = ("chat", "code", "math", "summarization", "rag")
 
@@ -42,9 +43,8 @@ def main() -> None:
     a = ap.parse_args()
     dtypes = ["auto", *a.dtypes.split(",")]
     sds = {d: build(LoadOptions(load_model(a.target, dtype=d), "ar")) for d in dtypes}
-    tok = sds["auto"].target.tokenizer
     items = [
-        (c, tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True)["input_ids"])
+        (c, prompt_ids(sds["auto"].target, it))
         for c in CATEGORIES
         for it in load_categories([c], limit=a.limit)[: a.limit]
     ]

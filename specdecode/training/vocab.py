@@ -3,11 +3,12 @@
 Contract: `draft_vocabulary(seqs, size, eos_ids, vocab_rows)` -> (d2t, coverage): the `size` most
 frequent response tokens of the training sequences as sorted target ids (EOS always included;
 filled with the lowest unused ids when the data has fewer distinct tokens), and the share of
-response tokens they cover. Every method with a reduced head (EAGLE-3, Medusa, MTP, DFlash,
-DSpark, the distilled draft model) picks its vocabulary here. `coverage(seqs, d2t)`: the share
-of response tokens a given draft vocabulary covers. `pick_vocabulary(..., d2t)`: what every
-training task calls: `draft_vocabulary`, or a given one (a warm start's, which its head was
-trained on) with its coverage.
+response tokens they cover; `vocabulary_of(counts, ...)` the same from counts already made.
+Every method with a reduced head (EAGLE-3, Medusa, MTP, DFlash, DSpark, the distilled draft
+model) picks its vocabulary here. `coverage(seqs, d2t)`: the share of response tokens a given
+draft vocabulary covers. `pick_vocabulary(..., d2t)`: what every training task calls:
+`draft_vocabulary`, or a given one (a warm start's, which its head was trained on) with its
+coverage.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def coverage(seqs, d2t: torch.Tensor) -> float:
 
 def draft_vocabulary(seqs, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
     """Most frequent response tokens (sorted ids) and the share of response tokens they cover."""
-    counts = _response_counts(seqs)
+    return vocabulary_of(_response_counts(seqs), size, eos_ids, vocab_rows)
+
+
+def vocabulary_of(counts: Counter, size: int, eos_ids, vocab_rows: int) -> tuple[torch.Tensor, float]:
+    """`draft_vocabulary` from response-token counts already made (token id -> count)."""
     chosen = [t for t, _ in counts.most_common(size)]
     for e in eos_ids:
         if e not in chosen:
