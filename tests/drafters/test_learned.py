@@ -405,6 +405,60 @@ def test_eagle_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, mon
             assert torch.allclose(q_c.sum(-1), torch.ones(()), atol=1e-4)
 
 
+class _Counted:
+    """The compiled ops, counting the calls of MTP's two (`calls`: name -> calls)."""
+
+    def __init__(self, ops, calls: collections.Counter):
+        self.ops, self.calls = ops, calls
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+        if name not in ("mtp_module", "head_draft"):
+            return op
+        return lambda *a, **kw: self.calls.update([name]) or op(*a, **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
+def test_mtp_compiled_calls_draft_as_its_modules(tiny_llama_dir, trained, monkeypatch, temperature):
+    """With our kernels in the target's plan, an MTP module's rows are one `mtp_module` call and
+    each draft one `head_draft` call: the same draft ids round by round as the Python modules and
+    head, the same drawn distributions q up to rounding (the same uniforms from the request's
+    generator), the same output; every module drafts (the depth starts at 3)."""
+    from specdecode.drafters.mtp.drafter import MTPDrafter
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    prompts = short_prompts(target.tokenizer)
+    params = SamplingParams(temperature=temperature)
+    runs, ops = [], kernels.fused()
+    for compiled in (True, False):
+        drafter, calls, proposals = _drafter("mtp", trained, target), collections.Counter(), []
+        drafter.start_depth = 3
+        monkeypatch.setattr(kernels, "fused", lambda c=calls: _Counted(ops, c))
+        if not compiled:
+            monkeypatch.setattr(MTPDrafter, "_module_args", lambda self, k, n: None)
+            monkeypatch.setattr(MTPDrafter, "_head_args", lambda self: None)
+        inner = drafter.propose
+        drafter.propose = lambda batch, k, inner=inner, p=proposals: p.append(inner(batch, k)) or p[-1]
+        res = decode_fixed_k(target, drafter, 3, prompts, params=params, max_batch=1)
+        qs = [p.draft_probs for p in proposals]
+        calls["drafts"] = sum(int(p.num_draft.sum()) for p in proposals)
+        runs.append(([r.token_ids for r in res], [p.draft_ids.tolist() for p in proposals], calls, qs))
+        monkeypatch.undo()
+    (tokens_c, drafts_c, calls_c, qs_c), (tokens_l, drafts_l, calls_l, qs_l) = runs
+    assert calls_c["head_draft"] == calls_c["drafts"] > 2 * len(drafts_c)  # rounds of 3 drafts
+    assert calls_c["mtp_module"] > len(drafts_c) and set(calls_l) == {"drafts"}
+    assert tokens_c == tokens_l and drafts_c == drafts_l
+    for q_c, q_l in zip(qs_c, qs_l, strict=True):
+        assert (q_c is None) == (q_l is None) == (temperature == 0)
+        if q_c is not None:
+            torch.testing.assert_close(q_c, q_l, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["eagle", "dspark"])
 def test_a_greedy_request_drafts_beside_a_sampled_one_that_drafts_nothing(tiny_llama_dir, trained, method):
     """A batch mixes a greedy request with a sampled one that has no room left to draft: the greedy

@@ -23,6 +23,10 @@ Contract:
   modules over a long prompt (module 1 reads the prompt in `prefill`). Module
   k >= 2's catch-up and its k - 1 draft-time rows are one
   call (the committed rows first, causal), so a K-draft round runs each module once.
+- On CPU in fp32 with our kernels in the target's plan, a module's rows are one compiled call
+  (`kernels`' mtp_module: input product, then the block) and each draft one more (head_draft:
+  norm, head product, argmax or a draw at a plain temperature with the same uniform), the Python
+  modules' functions in their order: the same drafts, without ~20 small operators a module.
 Legend: d width, D modules, Vd draft vocabulary, V target vocabulary rows.
 """
 
@@ -35,15 +39,14 @@ from specdecode.drafters.layers import (
     DraftVocab,
     attend,
     cpu_plan,
-    layer_call,
     rope_table,
     signed_rope,
     whole_layer_args,
 )
-from specdecode.models import formats
+from specdecode.models import formats, kernels
 from specdecode.models.base import FINAL_NORM
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import sample
+from specdecode.sampling import plain_temperature, sample
 from specdecode.verify import Verdict
 
 GROW_AT = 0.7  # posterior mean of the deepest draft's acceptance that earns one module more
@@ -72,7 +75,7 @@ class MTPDrafter(Drafter):
         self.hist: dict[int, list[Rows]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
         self.reach: dict[int, int] = {}  # slot -> deepest module it may draft with
         self.evidence: dict[int, list[int]] = {}  # slot -> [accepted, drafted] at depth reach
-        self._whole: dict[tuple[int, int], tuple | None] = {}  # (module, rows) -> decode_layer's args
+        self._whole: dict[tuple[int, int], tuple | None] = {}  # (module, rows) -> mtp_module's args
 
     def setup(self, num_slots: int, max_len: int) -> None:
         c = self.net.cfg
@@ -123,11 +126,11 @@ class MTPDrafter(Drafter):
             torch.arange(first_pos, first_pos + n, device=self.device)[None] + k
         )  # token t_{i+k} sits at i + k
         cos, sin = rope_table(pos, cfg.head_dim, cfg.rope_theta)
-        x = mod.inp(h_prev[None], emb)
-        out = self._run_whole(k, slot, x, base, cos, sin)
+        out = self._run_whole(k, slot, h_prev, emb[0], base, cos, sin)
         if out is not None:
             cache.commit(slot, commit)
             return out
+        x = mod.inp(h_prev[None], emb)
         q, kk, v = mod.qkv(x, cos, sin)
         cache.k[0][slot, :, base : base + n] = kk[0].transpose(0, 1)
         cache.v[0][slot, :, base : base + n] = v[0].transpose(0, 1)
@@ -141,26 +144,36 @@ class MTPDrafter(Drafter):
         cache.commit(slot, commit)
         return out
 
-    def _run_whole(self, k: int, slot: int, x, base: int, cos, sin) -> torch.Tensor | None:
-        """Module k's block over N rows at cache rows base.. (causal), as `kernels`' decode_layer
-        (same math, one call; its own rounding of RoPE and attention), when the block's products
-        are our kernels; else None. x [1, N, d] block input; cos/sin [1, N, D] -> [N, d]."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+    def _module_args(self, k: int, N: int) -> tuple | None:
+        """mtp_module's arguments for module k over N rows (its input product's, then decode_layer's
+        products and q/k norms), when each of those products runs one of our compiled kernels (the
+        plan's format for N rows) on CPU in fp32; else None."""
+        if (k, N) not in self._whole:
+            mod, ops, args = self.net.mods[k - 1], kernels.fused(), None
+            if self.device.type == "cpu" and self.dtype == torch.float32 and hasattr(ops, "mtp_module"):
+                layer = whole_layer_args(mod.attn, mod.mlp, mod.mlp_norm, N)
+                proj = getattr(getattr(mod.proj, "product", None), "ours", lambda rows: None)(N)
+                if layer is not None and proj is not None and proj[3] is None:
+                    args = (proj[:3], *layer)
+            self._whole[(k, N)] = args
+        return self._whole[(k, N)]
+
+    def _run_whole(self, k: int, slot: int, h_prev, emb, base: int, cos, sin) -> torch.Tensor | None:
+        """Module k over N rows at cache rows base.. (causal) as `kernels`' mtp_module (its input
+        product, then decode_layer: the modules' math in one call, with its own rounding of RoPE
+        and attention), when `_module_args` has them; else None. h_prev, emb [N, d]; cos/sin
+        [1, N, D] -> [N, d]."""
+        args = self._module_args(k, h_prev.shape[0])
+        if args is None:
             return None
         cfg, mod, cache = self.net.cfg, self.net.mods[k - 1], self.caches[k - 1]
-        N, d = x.shape[1], x.shape[2]
-        if (k, N) not in self._whole:
-            self._whole[(k, N)] = whole_layer_args(mod.attn, mod.mlp, mod.mlp_norm, N)
-        if self._whole[(k, N)] is None:
-            return None
-        kc, vc = cache.k[0][slot : slot + 1], cache.v[0][slot : slot + 1]  # [1, Hk, R, D]
-        vis = None  # one row sees every row up to its own; N rows: causal
-        if N > 1:
-            vis = torch.arange(base + N)[None, :] <= (base + torch.arange(N))[:, None]  # [N, base+N]
-        cs = signed_rope(cos, sin).reshape(N, 2, -1)
-        return layer_call(
-            x.reshape(N, d), mod.attn_norm.weight, self._whole[(k, N)], cs, kc, vc, base, cfg, vis
-        )
+        proj, layer, norms = args
+        cs = signed_rope(cos, sin).reshape(h_prev.shape[0], 2, -1)  # [N, 2, D]
+        return kernels.fused().mtp_module(
+            h_prev, emb, mod.hnorm.weight, mod.enorm.weight, *proj, mod.attn_norm.weight, *layer, cs,
+            cache.k[0][slot : slot + 1], cache.v[0][slot : slot + 1], base, cfg.rms_norm_eps,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, **norms,
+        )  # fmt: skip
 
     def _catch_up(self, row: DraftRow, depth: int) -> None:
         """Commit module k's rows (k = 1..depth) for positions whose token t_{i+k} is known
@@ -208,9 +221,29 @@ class MTPDrafter(Drafter):
             return self.net.logits(k, state[None])
         return self._head(self.net.mods[k - 1].out_norm(state[None])).float()
 
-    def _q(self, k: int, state: torch.Tensor, row: DraftRow) -> torch.Tensor:
-        """Module k's processed q over the draft vocabulary, [Vd]."""
-        return self.vocab.probs(self._logits(k, state)[:, None], [row.params])[0, 0]
+    def _head_args(self) -> tuple | None:
+        """head_draft's product arguments (kind, packed, outputs) when the draft head's product of
+        one row is one of our compiled kernels; else None."""
+        head = None if self._head is None or kernels.fused() is None else self._head.ours(1)
+        return head[:3] if head is not None and head[3] is None else None
+
+    def _draft(self, k: int, state, row: DraftRow, greedy: bool) -> tuple[int, torch.Tensor | None]:
+        """Module k's draft from one state [d] -> (target id, q [Vd] or None when greedy): the
+        argmax (the point mass temperature 0 processing gives), or a draw from the request's
+        processed q with one uniform of its generator. One `head_draft` call when the head's
+        product is our kernel and the sampling is greedy or a plain temperature."""
+        head = self._head_args()
+        if head is not None and (greedy or plain_temperature(row.params, len(self.vocab.d2t))):
+            u = 0.0 if greedy else float(torch.rand((), generator=row.generator))
+            t = 0.0 if greedy else row.params.temperature
+            w, eps = self.net.mods[k - 1].out_norm.weight, self.net.cfg.rms_norm_eps
+            ids, q = kernels.fused().head_draft(state[None], w, eps, *head, self.vocab.off, u, t)
+            return int(self.vocab.d2t[ids[0]]), None if greedy else q[0]
+        if greedy:
+            return int(self.vocab.to_target(self.vocab.argmax(self._logits(k, state)))[0]), None
+        q = self.vocab.probs(self._logits(k, state)[:, None], [row.params])[0, 0]  # [Vd]
+        u = torch.rand((), generator=row.generator)
+        return int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0]), q
 
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
@@ -240,12 +273,8 @@ class MTPDrafter(Drafter):
                     if spec is None:
                         break  # too early in the sequence for this depth
                     state = spec[-1]
-                if greedy:  # the point mass at the argmax: what temperature 0 processing gives
-                    x = int(self.vocab.to_target(self.vocab.argmax(self._logits(k, state)))[0])
-                else:
-                    q = self._q(k, state, row)
-                    u = torch.rand((), generator=row.generator)
-                    x = int(self.vocab.to_target(sample(q[None], u[None].to(q.device)))[0])
+                x, q = self._draft(k, state, row, greedy)
+                if q is not None:
                     probs[b, k - 1] = q.float().cpu()  # over the draft vocabulary (Proposal.draft_vocab)
                 drafts.append(x)
                 ids[b, k - 1] = x

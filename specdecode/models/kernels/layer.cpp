@@ -17,6 +17,15 @@
 // eagle_chain_sampled(..., uniforms [K], temperature) -> ([K] ids, q [K, Vd]): draft j drawn from
 // q_j = softmax((logits - max) / T) by inverse CDF with uniforms[j] (sampling.sample's rule).
 //
+// mtp_module(h_prev [N, d], emb [N, d], hnorm_w, enorm_w, proj, ln1, ... decode_layer's products,
+//            cs, k, v [1, Hk, R, D], base, ...) -> [N, d]: an MTP module's block over N new rows at
+// cache rows base.. (causal among them): x = proj([rms(h_prev, hnorm_w) ; rms(emb, enorm_w)]), then
+// decode_layer(x, ln1, ...) (MTPModule.inp, then the block: the Python modules' functions in order).
+// head_draft(state [1, d], norm_w, eps, head, off, u, temperature) -> (id [1], q [1, Vd] | [0, Vd]):
+// one draft from one state: the first argmax over the ids not `off` of head(rms(state, norm_w))
+// (temperature 0), else drawn at the temperature with uniform u by sample_row, q its distribution
+// (eagle_chain's draft step, for drafters whose rounds are not one chain).
+//
 // It is `NativeDecoder._layer_fused` (norm, QKV product, RoPE, cache write, attention with the G
 // query heads of a KV head folded into the rows, output product, add + norm, gate/up product,
 // SiLU-mul, down product, residual add) calling the same functions in the same order, so its
@@ -105,6 +114,16 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
 // same order, so the ids are the same; what goes is its ~30 operators per draft token.
 namespace {
 
+// One draft from one state s [1, d]: the first argmax over the ids not `off` of head(rms(s, norm_w))
+// when `u` is null, else drawn at temperature T with uniform *u and its distribution written to q [Vd].
+int64_t draft_of(const torch::Tensor& s, const torch::Tensor& norm_w, double eps, int64_t head_kind,
+                 const torch::Tensor& head_p, int64_t head_n, const bool* off, const float* u, float T, float* q) {
+  const c10::optional<torch::Tensor> none;
+  const auto logits = product(head_kind, rms_norm(s, norm_w, eps), head_p, head_n, none).contiguous();  // [1, Vd]
+  const float* lp = logits.data_ptr<float>();
+  return u ? sample_row(lp, head_n, off, T, *u, q) : first_argmax(lp, head_n, off);
+}
+
 // The chain of `eagle_chain` / `eagle_chain_sampled`: greedy when `u` is null, else draft j is
 // sampled at temperature T with uniform u[j] and its distribution written to row j of q [K, Vd].
 torch::Tensor chain_impl(const torch::Tensor& state, int64_t K, int64_t head_kind, const torch::Tensor& head_p,
@@ -130,9 +149,8 @@ torch::Tensor chain_impl(const torch::Tensor& state, int64_t K, int64_t head_kin
   int64_t* idp = ids.data_ptr<int64_t>();
   auto s = state.contiguous();
   for (int64_t j = 0; j < K; ++j) {
-    const auto logits = product(head_kind, rms_norm(s, norm_w, eps), head_p, head_n, none).contiguous();  // [1, Vd]
-    const float* lp = logits.data_ptr<float>();
-    const int64_t xd = u ? sample_row(lp, head_n, offp, T, u[j], q + j * head_n) : first_argmax(lp, head_n, offp);
+    const int64_t xd = draft_of(s, norm_w, eps, head_kind, head_p, head_n, offp, u ? u + j : nullptr, T,
+                                q ? q + j * head_n : nullptr);
     idp[j] = xd;
     if (j + 1 == K) break;
     const auto emb = embed.narrow(0, d2tc.data_ptr<int64_t>()[xd], 1).to(torch::kFloat32);  // [1, d]
@@ -184,6 +202,49 @@ std::tuple<torch::Tensor, torch::Tensor> eagle_chain_sampled(
   return {ids, q};
 }
 
+torch::Tensor mtp_module(const torch::Tensor& h_prev, const torch::Tensor& emb, const torch::Tensor& hnorm_w,
+                         const torch::Tensor& enorm_w, int64_t proj_kind, const torch::Tensor& proj_p, int64_t proj_n,
+                         const torch::Tensor& ln1, int64_t qkv_kind, const torch::Tensor& qkv_p, int64_t qkv_n,
+                         const c10::optional<torch::Tensor>& qkv_b, int64_t o_kind, const torch::Tensor& o_p,
+                         int64_t o_n, const torch::Tensor& ln2, int64_t gu_kind, const torch::Tensor& gu_p,
+                         int64_t gu_n, int64_t down_kind, const torch::Tensor& down_p, int64_t down_n,
+                         const torch::Tensor& cs, torch::Tensor k, torch::Tensor v, int64_t base, double eps,
+                         int64_t H, int64_t Hk, int64_t D, const c10::optional<torch::Tensor>& q_norm,
+                         const c10::optional<torch::Tensor>& k_norm) {
+  TORCH_CHECK(h_prev.dim() == 2 && emb.sizes() == h_prev.sizes(), "h_prev and emb must be [N, d]");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && base >= 0, "k must be [1, Hk, R, D]");
+  const int64_t N = h_prev.size(0);
+  TORCH_CHECK(base + N <= k.size(2), "the cache has no room for ", N, " rows at row ", base);
+  const c10::optional<torch::Tensor> none;
+  const auto in = torch::cat({rms_norm(h_prev, hnorm_w, eps), rms_norm(emb, enorm_w, eps)}, 1);  // [N, 2d]
+  const auto x = product(proj_kind, in, proj_p, proj_n, none);                                     // [N, d]
+  c10::optional<torch::Tensor> mask;  // one row sees every row up to its own; N rows: causal
+  if (N > 1) {
+    const auto vis = torch::arange(base + N).unsqueeze(0) <= (torch::arange(N) + base).unsqueeze(1);  // [N, base+N]
+    mask = vis.repeat({H / Hk, 1}).unsqueeze(0).unsqueeze(0);  // [1, 1, G*N, base+N]
+  }
+  return decode_layer(x, ln1, qkv_kind, qkv_p, qkv_n, qkv_b, o_kind, o_p, o_n, ln2, gu_kind, gu_p, gu_n, down_kind,
+                      down_p, down_n, cs, k.narrow(2, base, N).transpose(1, 2), v.narrow(2, base, N).transpose(1, 2),
+                      k.narrow(2, 0, base + N), v.narrow(2, 0, base + N), mask, eps, H, Hk, D, none, q_norm, k_norm);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> head_draft(const torch::Tensor& state, const torch::Tensor& norm_w,
+                                                    double eps, int64_t head_kind, const torch::Tensor& head_p,
+                                                    int64_t head_n, const c10::optional<torch::Tensor>& off,
+                                                    double uniform, double temperature) {
+  TORCH_CHECK(state.dim() == 2 && state.size(0) == 1 && state.scalar_type() == torch::kFloat32,
+              "state must be [1, d] float32");
+  torch::Tensor offc;
+  const bool* offp = off_mask(off, head_n, offc);
+  auto ids = torch::empty({1}, torch::kInt64);
+  auto q = torch::zeros({temperature > 0 ? 1 : 0, head_n}, torch::kFloat32);
+  const float u = static_cast<float>(uniform);
+  ids.data_ptr<int64_t>()[0] = draft_of(state.contiguous(), norm_w, eps, head_kind, head_p, head_n, offp,
+                                        temperature > 0 ? &u : nullptr, static_cast<float>(temperature),
+                                        temperature > 0 ? q.data_ptr<float>() : nullptr);
+  return {ids, q};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def(
       "eagle_chain(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, Tensor? off, "
@@ -199,6 +260,15 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "int H, int Hk, int D, Tensor uniforms, float temperature, Tensor? q_norm=None, Tensor? k_norm=None) "
       "-> (Tensor, Tensor)");
   m.def(
+      "mtp_module(Tensor h_prev, Tensor emb, Tensor hnorm_w, Tensor enorm_w, int proj_kind, Tensor proj_p, "
+      "int proj_n, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, Tensor o_p, "
+      "int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, int down_n, "
+      "Tensor cs, Tensor(a!) k, Tensor(b!) v, int base, float eps, int H, int Hk, int D, Tensor? q_norm=None, "
+      "Tensor? k_norm=None) -> Tensor");
+  m.def(
+      "head_draft(Tensor state, Tensor norm_w, float eps, int head_kind, Tensor head_p, int head_n, Tensor? off, "
+      "float uniform, float temperature) -> (Tensor, Tensor)");
+  m.def(
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
       "int down_n, Tensor cs, Tensor(a!) k_dst, Tensor(b!) v_dst, Tensor k_src, Tensor v_src, Tensor? mask, "
@@ -209,4 +279,6 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("eagle_chain", &eagle_chain);
   m.impl("eagle_chain_sampled", &eagle_chain_sampled);
+  m.impl("mtp_module", &mtp_module);
+  m.impl("head_draft", &head_draft);
 }
