@@ -43,6 +43,20 @@ def _drafter(method, trained, target, tree=False):
     return load_medusa(out, target, tree=tree, num_nodes=10)
 
 
+@pytest.fixture
+def kernel_target(tiny_llama_dir):
+    """The tiny target (fp32) with our compiled kernels in its plan, so the drafters' one-call
+    layers and chains apply; the test is skipped where the kernels cannot run."""
+    from specdecode.models import kernels
+    from specdecode.models.formats import BUCKETS, FormatPlan
+
+    if kernels.fused() is None:
+        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    return target
+
+
 @pytest.mark.parametrize(("method", "tree"), CASES)
 def test_greedy_learned_drafter_equals_greedy_ar(tiny, trained, method, tree):
     prompts = short_prompts(tiny.tokenizer)
@@ -299,19 +313,13 @@ def test_offline_accuracy_beside_served_acceptance(
     ("method", "max_batch"), [("eagle", 8), ("eagle", 1), ("dspark", 8), ("dflash", 8), ("mtp", 8)]
 )
 def test_drafter_layers_in_one_call_draft_as_their_modules(
-    tiny_llama_dir, trained, method, max_batch, monkeypatch
+    kernel_target, trained, method, max_batch, monkeypatch
 ):
     """With our kernels in the target's plan, an EAGLE-3 chain step (and, one request at a time,
     its causal catch-up on committed context), an MTP module's rows and a DFlash/DSpark block run
     each drafter layer as one `decode_layer` call: greedy output stays ar's, and the drafts are
     the ones the Python modules make (same math; only RoPE/attention rounding differs)."""
-    from specdecode.models import kernels
-    from specdecode.models.formats import BUCKETS, FormatPlan
-
-    if kernels.fused() is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    target = kernel_target
     prompts = short_prompts(target.tokenizer)
     ar = decode_fixed_k(target, ARDrafter(), 0, prompts)
     drafter = _drafter(method, trained, target)
@@ -334,18 +342,12 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)
 
 
-def test_mtp_rows_in_one_call_equal_the_modules(tiny_llama_dir, trained, monkeypatch):
+def test_mtp_rows_in_one_call_equal_the_modules(kernel_target, trained, monkeypatch):
     """An MTP module over N rows as one decode_layer call computes the Python modules' states
     (causal over the new rows: a row never sees a later one), for N = 1 and N = 5."""
     import torch
 
-    from specdecode.models import kernels
-    from specdecode.models.formats import BUCKETS, FormatPlan
-
-    if kernels.fused() is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    target = kernel_target
     drafter = _drafter("mtp", trained, target)
     drafter.setup(1, 64)
     gen = torch.Generator().manual_seed(0)
@@ -364,20 +366,15 @@ def test_mtp_rows_in_one_call_equal_the_modules(tiny_llama_dir, trained, monkeyp
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
-def test_eagle_chain_in_one_call_drafts_as_the_loop(tiny_llama_dir, trained, monkeypatch, temperature):
+def test_eagle_chain_in_one_call_drafts_as_the_loop(kernel_target, trained, monkeypatch, temperature):
     """An EAGLE-3 round of one request is one `eagle_chain` call (greedy) or `eagle_chain_sampled`
     call (a plain temperature) when the target's plan runs our kernels: the same draft ids round by
     round as the per-token loop (whose layers are one decode_layer call each), the same drawn
     distributions q up to rounding (the same uniforms, from the request's generator in the same
     order), the same output."""
     from specdecode.drafters.eagle.drafter import EagleDrafter
-    from specdecode.models import kernels
-    from specdecode.models.formats import BUCKETS, FormatPlan
 
-    if kernels.fused() is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    target = kernel_target
     prompts = short_prompts(target.tokenizer)
     params = SamplingParams(temperature=temperature)
     real = EagleDrafter._chain
@@ -419,19 +416,15 @@ class _Counted:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
-def test_mtp_compiled_calls_draft_as_its_modules(tiny_llama_dir, trained, monkeypatch, temperature):
+def test_mtp_compiled_calls_draft_as_its_modules(kernel_target, trained, monkeypatch, temperature):
     """With our kernels in the target's plan, an MTP module's rows are one `mtp_module` call and
     each draft one `head_draft` call: the same draft ids round by round as the Python modules and
     head, the same drawn distributions q up to rounding (the same uniforms from the request's
     generator), the same output; every module drafts (the depth starts at 3)."""
     from specdecode.drafters.mtp.drafter import MTPDrafter
     from specdecode.models import kernels
-    from specdecode.models.formats import BUCKETS, FormatPlan
 
-    if kernels.fused() is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    target.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    target = kernel_target
     prompts = short_prompts(target.tokenizer)
     params = SamplingParams(temperature=temperature)
     runs, ops = [], kernels.fused()
@@ -460,18 +453,12 @@ def test_mtp_compiled_calls_draft_as_its_modules(tiny_llama_dir, trained, monkey
 
 
 @pytest.mark.parametrize("method", ["eagle", "dspark"])
-def test_a_greedy_request_drafts_beside_a_sampled_one_that_drafts_nothing(tiny_llama_dir, trained, method):
+def test_a_greedy_request_drafts_beside_a_sampled_one_that_drafts_nothing(kernel_target, trained, method):
     """A batch mixes a greedy request with a sampled one that has no room left to draft: the greedy
     one drafts alone in the per-position loop (not the sampled compiled pass, which needs T > 0),
     and decodes exactly as plain greedy decoding. (The target runs our kernels, so the compiled
     passes apply where they may.)"""
-    from specdecode.models import kernels
-    from specdecode.models.formats import BUCKETS, FormatPlan
-
-    if kernels.fused() is None:
-        pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
-    tiny = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
-    tiny.model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))
+    tiny = kernel_target
     prompts = short_prompts(tiny.tokenizer)[:2]
     alone = decode_fixed_k(tiny, ARDrafter(), 0, prompts[:1], max_new=20)[0].token_ids
     dec = SpeculativeDecoder(tiny, _drafter(method, trained, tiny), FixedK(4), max_batch=2)
