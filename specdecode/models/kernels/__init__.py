@@ -18,7 +18,9 @@ Contract:
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
     and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
-    (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions);
+    (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions),
+    `mtp_module` (an MTP module's input product and block over its new rows) and `head_draft`
+    (one draft from one state: norm, head product, argmax or a draw at a plain temperature);
   - `row_argmax` and `verify_chain` of `verify.cpp`: a step's chain verification over the
     target's logits (greedy, or plain temperature by rejection or sample-then-match) without
     building vocabulary-sized distributions (`specdecode.verify_native`; contract there).
