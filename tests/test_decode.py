@@ -66,8 +66,9 @@ def test_greedy_speculative_equals_greedy_ar(tiny, tiny_drafter, name, k):
         assert all(a == 0 for s in spec for a in s.accepted_per_position)
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_speculative_equals_greedy_ar_with_an_ngram_table(tiny, k):
+def test_greedy_speculative_equals_greedy_ar_with_an_ngram_table(tiny, k, tree):
     """ngram-table drafts from a table of the target's own answers (here: to these prompts, so
     its walks are often right) and of random text (often wrong): greedy output stays ar's."""
     prompts = _prompts(tiny.tokenizer)
@@ -75,7 +76,7 @@ def test_greedy_speculative_equals_greedy_ar_with_an_ngram_table(tiny, k):
     noise = torch.randint(0, tiny.vocab_size, (4, 300), generator=torch.Generator().manual_seed(0))
     own = [p + b.token_ids for p, b in zip(prompts, base, strict=True)]
     table = NgramTable.build([*own, *noise.tolist()], orders=(4, 3, 2), min_count=1)
-    spec = _decode(tiny, NgramDrafter(table=table), k, prompts)
+    spec = _decode(tiny, NgramDrafter(table=table, tree=tree), k, prompts)
     for b, s in zip(base, spec, strict=True):
         assert s.token_ids == b.token_ids
     accepted = sum(sum(s.accepted_per_position) for s in spec)

@@ -21,7 +21,7 @@ from specdecode.models.loader import load_model
 from specdecode.training.calibrate import calibrate as fit_temperatures
 from specdecode.training.calibrate import format_table
 from specdecode.training.compare import format_rows
-from specdecode.training.ngram_table import MIN_SHARE, build_table_checkpoint
+from specdecode.training.ngram_table import MIN_SHARE, TABLE_WIDTH, build_table_checkpoint
 from specdecode.training.run import TRAINABLE, run_comparison, run_training, split_methods, trainable
 from specdecode.training.trainer import TrainConfig
 
@@ -65,6 +65,12 @@ def add_parsers(sub) -> None:
         default=MIN_SHARE,
         help="ngram-table: a context whose most frequent next token has less than this share of its "
         "count ends the walk instead of drafting it",
+    )
+    t.add_argument(
+        "--table-width",
+        type=int,
+        default=TABLE_WIDTH,
+        help="ngram-table: next tokens kept per context, with their shares (ngram-table-tree's alternatives)",
     )
     options.add_seed(t)
     t.add_argument(
@@ -199,7 +205,7 @@ def _task_options(a: argparse.Namespace, method: str | None = None) -> dict:
 def train(a: argparse.Namespace) -> None:
     if a.method == "ngram-table":  # counting, not gradient training
         target = load_model(a.target, dtype=a.dtype, device="cpu")
-        summary = build_table_checkpoint(target, a.data, a.out, a.min_count, a.min_share)
+        summary = build_table_checkpoint(target, a.data, a.out, a.min_count, a.min_share, width=a.table_width)
         print(
             f"ngram-table: {summary['contexts']} contexts from {summary['answers']} answers "
             f"({summary['tokens']} tokens) in {summary['seconds']} s; drafter checkpoint: {a.out}"

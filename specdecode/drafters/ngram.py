@@ -10,13 +10,19 @@ match first, each continuation up to `TREE_DEPTH` tokens, shared prefixes stored
 verify pass checks every branch and keeps the longest accepted path. Still point masses.
 `ngram-table` (`NgramDrafter(table=NgramTable)`, its own registry record and checkpoint kind):
 when the context holds no match of n >= 2 tokens, the table's walk drafts instead: an n-gram
-model of the target's own regenerated answers (the most frequent next token after each frequent
-context of 4, 3 or 2 tokens), built by `specdecode train ngram-table` (training/ngram_table.py).
-Still deterministic point masses: the output distribution stays the target's.
+model of the target's own regenerated answers (the most frequent next tokens after each frequent
+context of 4, 3 or 2 tokens, with their shares), built by `specdecode train ngram-table`
+(training/ngram_table.py). `ngram-table-tree` (`NgramDrafter(table=..., tree=True)`): the
+context's match and the table's continuations in one tree of at most K nodes (`table_tree`), the
+table's nodes best first by the product of shares along their path (`NgramTable.grow`, as an
+EAGLE-2 tree ranks by its drafter's probabilities). Still deterministic point masses: the output
+distribution stays the target's.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,35 +54,59 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
 
 
+class TokenTree:
+    """A token tree of at most `budget` nodes, parents first: `add(parent, token)` returns the
+    child (an existing one is shared, -1 is the last context token) or None when the tree is full;
+    `insert(tokens)` adds a chain from the root."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    def add(self, parent: int, token: int) -> int | None:
+        node = self.children.get((parent, token))
+        if node is None:
+            if len(self.tokens) == self.budget:
+                return None
+            node = self.children[(parent, token)] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+        return node
+
+    def insert(self, tokens) -> bool:
+        """Add a chain from the root; False when the budget ran out on the way."""
+        node = -1
+        for t in tokens:
+            node = self.add(node, int(t))
+            if node is None:
+                return False
+        return True
+
+
 def lookup_tree(
     tokens: np.ndarray, budget: int, min_ngram: int, max_ngram: int, depth: int = TREE_DEPTH
 ) -> tuple[list[int], list[int]]:
     """(token, parent) per node of a tree of at most `budget` nodes, parents first (-1: the last
     context token): the continuations of the earlier matches of the trailing n-gram, longest n
     first, most recent match first, each continuation inserted along the tree's shared prefix."""
-    toks: list[int] = []
-    parents: list[int] = []
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tree = TokenTree(budget)
     seen: set[int] = set()  # continuation starts already inserted (a shorter n finds them again)
     for start in match_starts(tokens, min_ngram, max_ngram):
         if start in seen:
             continue
         seen.add(start)
-        node = -1
-        for t in tokens[start : start + depth].tolist():
-            nxt = children.get((node, t))
-            if nxt is None:
-                if len(toks) == budget:
-                    return toks, parents
-                nxt = children[(node, t)] = len(toks)
-                toks.append(t)
-                parents.append(node)
-            node = nxt
-    return toks, parents
+        if not tree.insert(tokens[start : start + depth]):
+            break
+    return tree.tokens, tree.parents
 
 
 TABLE_ORDERS = (4, 3, 2)  # context lengths an n-gram table keys on, longest first
 MIN_SHARE = 0.1  # a context whose best next token has a smaller share of its count is a stop
+TABLE_WIDTH = 2  # next tokens a table keeps per context: the best and the tree's alternative
+MIN_PATH = 0.05  # a table tree's node needs this product of shares along its path
+NO_TOKEN = np.iinfo(np.uint16).max  # the empty slot of a row stored as uint16
 
 
 def context_keys(windows: np.ndarray) -> np.ndarray:
@@ -88,23 +118,43 @@ def context_keys(windows: np.ndarray) -> np.ndarray:
     return h
 
 
-class NgramTable:
-    """The most likely next token after each frequent n-token context of a corpus (the target's
-    own regenerated answers): an n-gram model that drafts by a greedy walk, longest context first.
+def quantize_shares(share: np.ndarray) -> np.ndarray:
+    """Shares in (0, 1] -> uint8 steps of 1/255, the nearest (a seen token never reads 0)."""
+    return np.maximum(np.round(share * 255.0), 1).astype(np.uint8)
 
-    `build(seqs, orders, min_count, min_share)` counts, for every order n, each context's next
-    tokens and keeps contexts seen at least `min_count` times; a context whose most frequent next
-    token has less than `min_share` of its count is kept as a stop (the walk ends there rather
-    than guessing from a shorter context). `draft(context, k)` walks up to k tokens.
-    `state()` / `from_state(tensors)`: the table as drafter checkpoint tensors.
+
+class NgramTable:
+    """The likeliest next tokens after each frequent n-token context of a corpus (the target's own
+    regenerated answers): an n-gram model that drafts a greedy walk or a tree, longest context
+    first.
+
+    `build(seqs, orders, min_count, min_share, width)` counts, for every order n, each context's
+    next tokens and keeps contexts seen at least `min_count` times, each with its `width` most
+    frequent next tokens and their shares of the count (steps of 1/255). `candidates(context)`:
+    those of the longest known context. `draft(context, k)` walks up to k tokens, each the best
+    next token; a context whose best token has under `min_share` is a stop (the walk ends there
+    rather than guessing from a shorter context). `grow(tree, context, min_path)` adds nodes best
+    first by the product of shares along their path, down to `min_path`.
+    `state()` / `from_state(tensors, min_share)`: the table as drafter checkpoint tensors.
     """
 
-    def __init__(self, tables: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        self.tables = tables  # n -> (sorted uint64 keys [M], next token [M] int32, -1: stop)
+    def __init__(
+        self, tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], min_share: float = MIN_SHARE
+    ):
+        # n -> (sorted uint64 keys [M], next tokens [M, W] int64 (-1: none), shares [M, W] float32)
+        self.tables = tables
         self.orders = tuple(sorted(tables, reverse=True))
+        self.min_share = min_share
 
     @classmethod
-    def build(cls, seqs, orders=TABLE_ORDERS, min_count: int = 4, min_share: float = MIN_SHARE) -> NgramTable:
+    def build(
+        cls,
+        seqs,
+        orders=TABLE_ORDERS,
+        min_count: int = 4,
+        min_share: float = MIN_SHARE,
+        width: int = TABLE_WIDTH,
+    ) -> NgramTable:
         seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
         tables = {}
         for n in orders:
@@ -122,25 +172,38 @@ class NgramTable:
             pair = np.flatnonzero(np.r_[True, (k[1:] != k[:-1]) | (x[1:] != x[:-1])])  # first of each pair
             count = np.diff(np.r_[pair, len(k)])
             pk, px = k[pair], x[pair]
-            order = np.lexsort((-count, pk))  # per context, the most frequent next token first
+            order = np.lexsort((px, -count, pk))  # per context, the most frequent next token first
             pk, px, count = pk[order], px[order], count[order]
-            first = np.flatnonzero(np.r_[True, pk[1:] != pk[:-1]])
+            first = np.flatnonzero(np.r_[True, pk[1:] != pk[:-1]])  # [M]
+            end = np.r_[first[1:], len(pk)]
             total = np.add.reduceat(count, first)
             keep = total >= min_count
-            best = np.where(count[first] >= min_share * total, px[first], -1)
-            tables[n] = (pk[first][keep], best[keep].astype(np.int32))
-        return cls(tables)
+            top = np.full((len(first), width), -1, dtype=np.int64)  # [M, W]
+            share = np.zeros((len(first), width), dtype=np.float32)  # [M, W]
+            for j in range(width):
+                has = first + j < end
+                top[has, j] = px[first[has] + j]
+                share[has, j] = quantize_shares(count[first[has] + j] / total[has]) / np.float32(255.0)
+            tables[n] = (pk[first][keep], top[keep], share[keep])
+        return cls(tables, min_share)
 
-    def next_token(self, context: np.ndarray) -> int | None:
+    def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(next tokens [W], shares [W]) of the longest context the table knows, or None."""
         for n in self.orders:
             if len(context) < n:
                 continue
-            keys, nxt = self.tables[n]
-            key = context_keys(context[None, -n:])[0]
+            keys, top, share = self.tables[n]
+            key = context_keys(np.asarray(context[-n:], dtype=np.int64)[None])[0]
             i = int(np.searchsorted(keys, key))
             if i < len(keys) and keys[i] == key:
-                return None if nxt[i] < 0 else int(nxt[i])
+                return top[i], share[i]
         return None
+
+    def next_token(self, context: np.ndarray) -> int | None:
+        got = self.candidates(context)
+        if got is None or got[0][0] < 0 or got[1][0] < self.min_share:
+            return None
+        return int(got[0][0])
 
     def draft(self, context: np.ndarray, k: int) -> np.ndarray:
         """Up to k tokens, each the table's next token after the context so far."""
@@ -155,23 +218,69 @@ class NgramTable:
             ctx = (ctx + [t])[-longest:]  # a short context grows into the longer orders
         return np.asarray(out, dtype=np.int64)
 
+    def grow(self, tree: TokenTree, context: np.ndarray, min_path: float = MIN_PATH) -> None:
+        """Add the table's continuations of `context` to `tree` best first by the product of
+        shares along each path (a path's product never grows, so parents come first; ties in
+        the order they were found; a node already in the tree is shared and grown from), until
+        the tree is full or no candidate's path reaches `min_path`."""
+        longest = max(self.orders, default=1)
+        found = itertools.count()
+        heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (-path, found, parent, token, ctx)
+
+        def push(path: float, parent: int, ctx: tuple[int, ...]) -> None:
+            got = self.candidates(np.asarray(ctx, dtype=np.int64))
+            for t, share in zip(*(got or ((), ())), strict=True):
+                if t < 0 or path * share < min_path:
+                    break  # shares fall along the row
+                heapq.heappush(heap, (-path * float(share), next(found), parent, int(t), ctx))
+
+        push(1.0, -1, tuple(int(t) for t in context[-longest:]))
+        while heap:
+            neg_path, _, parent, t, ctx = heapq.heappop(heap)
+            node = tree.add(parent, t)
+            if node is None:
+                return
+            push(-neg_path, node, (*ctx, t)[-longest:])
+
     @property
     def size(self) -> int:
-        return sum(len(k) for k, _ in self.tables.values())
+        return sum(len(k) for k, _, _ in self.tables.values())
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The table as checkpoint tensors: `keys{n}` (the uint64 keys' bits as int64), `next{n}`."""
+        """The table as checkpoint tensors: `keys{n}` (the uint64 keys' bits as int64), `next{n}`
+        [M, W] (uint16 bits as int16, NO_TOKEN empty, where every id fits; else int32, -1 empty),
+        `share{n}` [M, W] uint8 (steps of 1/255)."""
         out = {}
-        for n, (k, x) in self.tables.items():
+        for n, (k, top, share) in self.tables.items():
             out[f"keys{n}"] = torch.from_numpy(k.view(np.int64).copy())
-            out[f"next{n}"] = torch.from_numpy(x.astype(np.int32))
+            if top.max(initial=-1) < NO_TOKEN:
+                out[f"next{n}"] = torch.from_numpy(
+                    np.where(top < 0, NO_TOKEN, top).astype(np.uint16).view(np.int16)
+                )
+            else:
+                out[f"next{n}"] = torch.from_numpy(top.astype(np.int32))
+            out[f"share{n}"] = torch.from_numpy(np.round(share * 255.0).astype(np.uint8))
         return out
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> NgramTable:
-        orders = sorted(int(name[4:]) for name in state if name.startswith("keys"))
-        keys = {n: state[f"keys{n}"].numpy().view(np.uint64) for n in orders}
-        return cls({n: (keys[n], state[f"next{n}"].numpy()) for n in orders})
+    def from_state(cls, state: dict[str, torch.Tensor], min_share: float = MIN_SHARE) -> NgramTable:
+        """Also reads the first format: `next{n}` [M] int32, the best token only, -1 a stop."""
+        tables = {}
+        for n in sorted(int(name[4:]) for name in state if name.startswith("keys")):
+            keys = state[f"keys{n}"].numpy().view(np.uint64)
+            nxt = state[f"next{n}"].numpy()
+            if nxt.ndim == 1:  # the first format: a stop has no token, a kept token a full share
+                top = nxt.astype(np.int64)[:, None]
+                share = (top >= 0).astype(np.float32)
+            else:
+                if nxt.dtype == np.int16:
+                    top = nxt.view(np.uint16).astype(np.int64)
+                    top[top == NO_TOKEN] = -1
+                else:
+                    top = nxt.astype(np.int64)
+                share = state[f"share{n}"].numpy().astype(np.float32) / np.float32(255.0)
+            tables[n] = (keys, top, share)
+        return cls(tables, min_share)
 
 
 def table_continuation(
@@ -186,6 +295,25 @@ def table_continuation(
     if len(c) == 0 and min_ngram < 2:
         c = lookup_continuation(tokens, k, min_ngram, 1)
     return c
+
+
+def table_tree(
+    tokens: np.ndarray,
+    budget: int,
+    table: NgramTable,
+    min_ngram: int,
+    max_ngram: int,
+    min_path: float = MIN_PATH,
+) -> tuple[list[int], list[int]]:
+    """(token, parent) per node, parents first, of a tree of at most `budget` nodes: the context's
+    latest match of n >= 2 tokens (its continuation, up to TREE_DEPTH), then the table's
+    continuations best first (`NgramTable.grow`), else a single-token match's continuation."""
+    tree = TokenTree(budget)
+    tree.insert(lookup_continuation(tokens, min(budget, TREE_DEPTH), max(2, min_ngram), max_ngram))
+    table.grow(tree, tokens, min_path)
+    if not tree.tokens and min_ngram < 2:
+        tree.insert(lookup_continuation(tokens, min(budget, TREE_DEPTH), min_ngram, 1))
+    return tree.tokens, tree.parents
 
 
 class NgramDrafter(Drafter):
@@ -205,12 +333,10 @@ class NgramDrafter(Drafter):
             raise SpecDecodeError(
                 f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
             )
-        if tree and table is not None:
-            raise SpecDecodeError("ngram-tree drafts from the context only; a table serves ngram-table")
         self.min_ngram, self.max_ngram, self.max_context = min_ngram, max_ngram, max_context
         self.tree, self.table = tree, table
         if table is not None:
-            self.name = "ngram-table"
+            self.name = "ngram-table-tree" if tree else "ngram-table"
 
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         if self.tree:
@@ -233,11 +359,8 @@ class NgramDrafter(Drafter):
         return Proposal(draft_ids=draft_ids, num_draft=num_draft_t, draft_probs=None)
 
     def _propose_tree(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
-        trees = [
-            lookup_tree(np.asarray(row.token_ids[-self.max_context :], dtype=np.int64), k, self.min_ngram,
-                        self.max_ngram) if k > 0 else ([], [])
-            for row, k in zip(batch, num_draft, strict=True)
-        ]  # fmt: skip
+        ctxs = [np.asarray(row.token_ids[-self.max_context :], dtype=np.int64) for row in batch]
+        trees = [self._tree(c, k) if k > 0 else ([], []) for c, k in zip(ctxs, num_draft, strict=True)]
         width = max((len(t) for t, _ in trees), default=0)
         draft_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, W]
         parents = torch.full((len(batch), width), -1, dtype=torch.long)  # [B, W]
@@ -246,6 +369,11 @@ class NgramDrafter(Drafter):
             parents[b, : len(pars)] = torch.tensor(pars, dtype=torch.long)
         num = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)
         return Proposal(draft_ids=draft_ids, num_draft=num, parents=parents, tree_iid=False)
+
+    def _tree(self, ctx: np.ndarray, budget: int) -> tuple[list[int], list[int]]:
+        if self.table is None:
+            return lookup_tree(ctx, budget, self.min_ngram, self.max_ngram)
+        return table_tree(ctx, budget, self.table, self.min_ngram, self.max_ngram)
 
 
 METHOD = Method(
@@ -259,15 +387,17 @@ METHOD = Method(
 
 
 def _load_table(variant, target, spec, **kw) -> NgramDrafter:
-    _, state = load_checkpoint(spec, "ngram-table", target)  # another target's table is refused
-    return NgramDrafter(table=NgramTable.from_state(state))
+    arch, state = load_checkpoint(spec, "ngram-table", target)  # another target's table is refused
+    table = NgramTable.from_state(state, arch.get("min_share", MIN_SHARE))
+    return NgramDrafter(table=table, tree=variant == "ngram-table-tree")
 
 
 TABLE_METHOD = Method(
     name="ngram-table",
-    variants={"ngram-table": 8},
+    variants={"ngram-table": 8, "ngram-table-tree": 8},
     load=_load_table,
     checkpoint="ngram-table",
     summary="prompt lookup backed by an n-gram table of the target's own regenerated answers "
-    "(`specdecode train ngram-table`): no network, free to run",
+    "(`specdecode train ngram-table`): no network, free to run (ngram-table-tree: the context's "
+    "match and the table's likeliest continuations as one tree, best first by their shares)",
 )

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 import torch
 
 from specdecode.config import SamplingParams
@@ -7,11 +6,12 @@ from specdecode.drafter import DraftRow
 from specdecode.drafters.ngram import (
     NgramDrafter,
     NgramTable,
+    context_keys,
     lookup_continuation,
     lookup_tree,
     table_continuation,
+    table_tree,
 )
-from specdecode.errors import SpecDecodeError
 
 
 def test_lookup_prefers_longest_and_latest_match():
@@ -79,9 +79,70 @@ def test_table_keeps_the_most_frequent_next_token_of_frequent_contexts():
     # where (8,) alone splits between 1 and 2 and would stop
     grows = NgramTable.build([[7, 8, 1]] * 3 + [[5, 8, 2]] * 3, orders=(2, 1), min_count=2, min_share=0.6)
     assert grows.draft(np.array([7]), 2).tolist() == [8, 1]
-    again = NgramTable.from_state(table.state())
-    for n, (k, x) in table.tables.items():
-        assert np.array_equal(again.tables[n][0], k) and np.array_equal(again.tables[n][1], x)
+    again = NgramTable.from_state(table.state(), min_share=0.6)
+    for n, arrays in table.tables.items():
+        assert all(np.array_equal(a, b) for a, b in zip(again.tables[n], arrays, strict=True))
+    assert (
+        again.draft(np.array([1, 2]), 3).tolist() == [3, 4]
+        and again.draft(np.array([5, 6]), 2).tolist() == []
+    )
+
+
+def test_table_keeps_each_contexts_likeliest_next_tokens_with_their_shares():
+    # (2, 3) -> 4 three times, 5 once, 6 never: width 2 keeps 4 (0.75) then 5 (0.25)
+    table = NgramTable.build([[2, 3, 4]] * 3 + [[2, 3, 5]], orders=(2,), min_count=1, width=2)
+    toks, shares = table.candidates(np.array([9, 2, 3]))
+    assert toks.tolist() == [4, 5] and np.allclose(shares, [0.75, 0.25], atol=1 / 255)
+    assert table.candidates(np.array([7, 7])) is None  # never seen
+    # one next token only: the second slot is empty
+    solo = NgramTable.build([[2, 3, 4]] * 2, orders=(2,), min_count=1, width=2)
+    toks, shares = solo.candidates(np.array([2, 3]))
+    assert toks.tolist() == [4, -1] and shares.tolist()[1] == 0.0
+    # stored as uint16 ids with shares in 1/255 steps, read back the same; ids past uint16 as int32
+    state = table.state()
+    assert state["next2"].dtype == torch.int16 and state["share2"].dtype == torch.uint8
+    big = NgramTable.build([[70000, 70001, 70002]] * 2, orders=(2,), min_count=1)
+    assert big.state()["next2"].dtype == torch.int32
+    for t in (table, solo, big):
+        again = NgramTable.from_state(t.state())
+        for n, arrays in t.tables.items():
+            assert all(np.array_equal(a, b) for a, b in zip(again.tables[n], arrays, strict=True))
+
+
+def test_a_table_of_the_first_format_still_loads():
+    """The first tables stored the best next token only, [M] int32, -1 for a stop."""
+    keys = context_keys(np.array([[1, 2], [5, 6]]))  # (1, 2) -> 3; (5, 6) a stop
+    order = np.argsort(keys)
+    old = {
+        "keys2": torch.from_numpy(keys[order].view(np.int64).copy()),
+        "next2": torch.from_numpy(np.array([3, -1], dtype=np.int32)[order]),
+    }
+    table = NgramTable.from_state(old)
+    assert table.draft(np.array([1, 2]), 2).tolist() == [3]
+    assert table.draft(np.array([5, 6]), 2).tolist() == []
+    assert table_tree(np.array([1, 2]), 4, table, 2, 3) == ([3], [-1])
+
+
+def test_table_tree_puts_the_context_match_first_then_the_tables_paths_best_first():
+    # the table: (0, 1) -> 2 (0.75) or 3 (0.25); (1, 2) -> 4; (1, 3) -> 5; (2, 4) -> 6 or 7 (0.5 each)
+    seqs = [[0, 1, 2, 4, 6]] * 2 + [[0, 1, 2, 4, 7]] * 2 + [[0, 1, 2]] * 2 + [[0, 1, 3, 5]] * 2
+    table = NgramTable.build(seqs, orders=(2,), min_count=1, width=2)
+    # no match in the context: paths by their product of shares, 2 (.75), 4 (.75), 6 and 7 (.375),
+    # 3 (.25), 5 (.25); a node after its parent, ties in the row's order
+    toks, parents = table_tree(np.array([9, 0, 1]), 16, table, 1, 3, min_path=0.0)
+    assert (toks, parents) == ([2, 4, 6, 7, 3, 5], [-1, 0, 1, 1, -1, 4])
+    assert table_tree(np.array([9, 0, 1]), 2, table, 1, 3, min_path=0.0) == ([2, 4], [-1, 0])  # the budget
+    assert table_tree(np.array([9, 0, 1]), 16, table, 1, 3, min_path=0.3)[0] == [2, 4, 6, 7]  # min_path
+    assert table_tree(np.array([9, 0, 1]), 16, table, 1, 3, min_path=0.4)[0] == [2, 4]  # a product: .75 x .5
+    # the context repeats [0, 1]: its continuation first, then the table's paths, sharing its nodes
+    # (3 and then 5 are already there; 2's branch is new)
+    toks, parents = table_tree(np.array([0, 1, 3, 5, 8, 0, 1]), 16, table, 1, 3, min_path=0.0)
+    assert toks == [3, 5, 8, 0, 1, 2, 4, 6, 7] and parents == [-1, 0, 1, 2, 3, -1, 5, 6, 6]
+    # the drafter's tree variant proposes it, as point masses
+    d = NgramDrafter(table=table, tree=True)
+    prop = d.propose([DraftRow(0, [9, 0, 1], SamplingParams(), torch.Generator())], [4])
+    assert d.name == "ngram-table-tree" and prop.draft_probs is None and not prop.tree_iid
+    assert prop.draft_ids[0].tolist() == [2, 4, 6, 7] and prop.parents[0].tolist() == [-1, 0, 1, 1]
 
 
 def test_table_continuation_prefers_the_context_then_the_table_then_one_token_matches():
@@ -96,5 +157,3 @@ def test_table_continuation_prefers_the_context_then_the_table_then_one_token_ma
     rows = [DraftRow(0, [5, 8, 4, 5], SamplingParams(), torch.Generator())]
     prop = d.propose(rows, [3])
     assert d.name == "ngram-table" and prop.draft_probs is None and prop.draft_ids[0].tolist() == [6, 7]
-    with pytest.raises(SpecDecodeError, match="ngram-table"):
-        NgramDrafter(tree=True, table=table)

@@ -182,6 +182,13 @@ FAMILIES = {
     "ngram": Family(lambda pk: NgramDrafter(), n=384),
     "ngram-tree": Family(lambda pk: NgramDrafter(tree=True), 192, _tree_policy, TREE_NODES + 1, heavy=True),
     "ngram-table": Family(lambda pk: NgramDrafter(table=_random_table(pk)), n=384),
+    "ngram-table-tree": Family(
+        lambda pk: NgramDrafter(table=_random_table(pk), tree=True),
+        192,
+        _tree_policy,
+        TREE_NODES + 1,
+        heavy=True,
+    ),
     "medusa": Family(lambda pk: _medusa(pk, tree=False), n=384),
     "medusa-tree": Family(lambda pk: _medusa(pk, tree=True), 256, _tree_policy, TREE_NODES + 1, heavy=True),
     "mtp": Family(_mtp, n=192, heavy=True),

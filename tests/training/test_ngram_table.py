@@ -35,6 +35,12 @@ def test_a_table_checkpoint_serves_ngram_table_and_knows_its_answers(data, tmp_p
         build_drafter("ngram", target, str(out))  # plain prompt lookup reads no table
     with pytest.raises(SpecDecodeError, match="min-count"):
         build_table_checkpoint(target, regen, tmp_path / "x", min_count=0)
+    with pytest.raises(SpecDecodeError, match="table-width"):
+        build_table_checkpoint(target, regen, tmp_path / "x", width=0)
+    # the tree variant reads the same checkpoint, and the card records the table's width
+    assert card["arch"]["width"] == 2
+    tree = build_drafter("ngram-table-tree", target, str(out))
+    assert tree.name == "ngram-table-tree" and tree.tree and tree.table.size == drafter.table.size
 
 
 def test_min_share_decides_where_the_walk_stops(data, tmp_path):
@@ -48,9 +54,9 @@ def test_min_share_decides_where_the_walk_stops(data, tmp_path):
         build_table_checkpoint(target, regen, out, min_count=1, min_share=share)
         assert json.loads((out / "config.json").read_text())["arch"]["min_share"] == share
         table = build_drafter("ngram-table", target, str(out)).table
-        stops[share] = sum(int((nxt < 0).sum()) for _, nxt in table.tables.values())
+        stops[share] = sum(int((sh[:, 0] < table.min_share).sum()) for _, _, sh in table.tables.values())
     assert stops[0.0] == 0 < stops[1.0] and stops[0.3] <= stops[1.0]
-    with pytest.raises(SpecDecodeError, match="min_share"):
+    with pytest.raises(SpecDecodeError, match="min-share"):
         build_table_checkpoint(target, regen, tmp_path / "y", min_share=1.5)
 
 
