@@ -9,6 +9,8 @@ siblings in index order (put the most likely first). A chain of K drafts is the 
 
 Position of block row r = committed length + depth[r]; row r attends to the committed context
 plus the rows `tree_attention_mask(parents)[r]` marks (itself and its ancestors).
+`TokenTree(budget)` builds such a tree of token ids node by node (shared prefixes stored once),
+as the drafters that merge several candidate continuations do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 __all__ = [
     "DraftTree",
+    "TokenTree",
     "StaticTree",
     "validate_parents",
     "chain_parents",
@@ -146,3 +149,34 @@ def tree_from_paths(paths: Sequence[Sequence[int]]) -> StaticTree:
         depths=torch.tensor([len(t) for t in order], dtype=torch.long),
         ranks=torch.tensor([t[-1] for t in order], dtype=torch.long),
     )
+
+
+class TokenTree:
+    """A token tree of at most `budget` nodes, parents first: `add(parent, token)` returns the
+    child (an existing one is shared, -1 is the last context token) or None when the tree is full;
+    `insert(tokens)` adds a chain from the root."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    def add(self, parent: int, token: int) -> int | None:
+        node = self.children.get((parent, token))
+        if node is None:
+            if len(self.tokens) == self.budget:
+                return None
+            node = self.children[(parent, token)] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+        return node
+
+    def insert(self, tokens) -> bool:
+        """Add a chain from the root; False when the budget ran out on the way."""
+        node = -1
+        for t in tokens:
+            node = self.add(node, int(t))
+            if node is None:
+                return False
+        return True

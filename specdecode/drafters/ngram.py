@@ -31,6 +31,7 @@ import torch
 from specdecode.drafter import Drafter, DraftRow, Method, Proposal
 from specdecode.drafters.checkpoint import load_checkpoint
 from specdecode.errors import SpecDecodeError
+from specdecode.tree import TokenTree
 
 
 def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator[int]:
@@ -52,37 +53,6 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
-
-
-class TokenTree:
-    """A token tree of at most `budget` nodes, parents first: `add(parent, token)` returns the
-    child (an existing one is shared, -1 is the last context token) or None when the tree is full;
-    `insert(tokens)` adds a chain from the root."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-
-    def add(self, parent: int, token: int) -> int | None:
-        node = self.children.get((parent, token))
-        if node is None:
-            if len(self.tokens) == self.budget:
-                return None
-            node = self.children[(parent, token)] = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-        return node
-
-    def insert(self, tokens) -> bool:
-        """Add a chain from the root; False when the budget ran out on the way."""
-        node = -1
-        for t in tokens:
-            node = self.add(node, int(t))
-            if node is None:
-                return False
-        return True
 
 
 def lookup_tree(

@@ -584,10 +584,10 @@ def test_a_small_eagle_tree_grows_only_as_deep_as_it_keeps(tiny, trained, monkey
             depth = drafter.tree.depth
             levels = depth if full else None
 
-            def grow(self, row, budget, c=count, lv=levels, d=depth):
+            def grow(self, row, budget, c=count, lv=levels, d=depth, **kw):
                 c["rounds"] += 1
                 c["saved"] += d - min(d, budget)  # K, or fewer where max_new_tokens caps it
-                return real_grow(self, row, budget, lv)
+                return real_grow(self, row, budget, lv, **kw)
 
             def run(self, *a, c=count):
                 c["passes"] += 1
@@ -606,6 +606,37 @@ def test_a_small_eagle_tree_grows_only_as_deep_as_it_keeps(tiny, trained, monkey
         (tok_s, drafts_s, rounds, passes_s, saved), (tok_f, drafts_f, rounds_f, passes_f, _) = runs
         assert tok_s == tok_f and drafts_s == drafts_f and rounds == rounds_f > 3
         assert passes_f - passes_s == saved >= rounds * (depth - k) // 2
+
+
+def test_an_eagle_lookup_tree_holds_the_context_match_and_stays_exact(tiny, trained):
+    """eagle-tree-lookup: the continuation of the context's latest n-gram match joins the
+    EAGLE-2 tree within the same node budget (its first token scores LOOKUP_LOGP, above all but
+    at most one node per depth, so it always hangs off the root); greedy output stays ar's."""
+    import numpy as np
+
+    from specdecode.drafters.eagle.drafter import lookup_prefix
+
+    prompts = [p + p for p in short_prompts(tiny.tokenizer)]  # the second half matches the first
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
+    out, _ = trained("eagle")
+    drafter = load_eagle(out, tiny, tree=TreeSpec(depth=4, topk=3, num_nodes=10, lookup=True))
+    seen = []  # (contexts, proposal) per round
+    inner = drafter.propose
+    drafter.propose = lambda batch, n: (
+        seen.append(([list(r.token_ids) for r in batch], inner(batch, n))) or seen[-1][1]
+    )
+    sd = decode_fixed_k(tiny, drafter, 10, prompts, max_batch=1)
+    assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+    matched = 0
+    for ctxs, prop in seen:
+        n = int(prop.num_draft[0])
+        toks, pars = prop.draft_ids[0, :n].tolist(), prop.parents[0, :n].tolist()
+        assert n <= 10 and all(q < i for i, q in enumerate(pars))
+        cont, _ = lookup_prefix(np.asarray(ctxs[0]), 4)
+        if cont is not None:
+            matched += 1
+            assert int(cont[0]) in [t for t, q in zip(toks, pars, strict=True) if q == -1]
+    assert matched > 5
 
 
 @pytest.mark.parametrize("when_sampling", ["chain", "tree"])

@@ -35,7 +35,18 @@ def smollm2(smollm2_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method",
-    ["eagle", "eagle-tree", "medusa", "mtp", "draft", "dflash", "dspark", "ngram-table", "ngram-table-tree"],
+    [
+        "eagle",
+        "eagle-tree",
+        "eagle-tree-lookup",
+        "medusa",
+        "mtp",
+        "draft",
+        "dflash",
+        "dspark",
+        "ngram-table",
+        "ngram-table-tree",
+    ],
 )
 def test_shipped_drafter_is_the_default_and_greedy_exact(smollm2, method):
     tok = smollm2.tokenizer

@@ -21,12 +21,13 @@ def load_eagle(path, target, tree: TreeSpec | None = None) -> EagleDrafter:
 
 METHOD = Method(
     name="eagle",
-    variants={"eagle": 4, "eagle-tree": 16},
+    variants={"eagle": 4, "eagle-tree": 16, "eagle-tree-lookup": 16},
     load=lambda variant, target, spec, **kw: load_eagle(
-        spec, target, tree=TreeSpec() if variant == "eagle-tree" else None
+        spec, target, tree=TreeSpec(lookup=variant == "eagle-tree-lookup") if "tree" in variant else None
     ),
     task="eagle",
     train_options={"draft_vocab_size": 8192, "ttt_steps": 3},
     checkpoint="eagle",
-    summary="EAGLE-3: one feature-fusing layer; chain, or EAGLE-2 dynamic trees",
+    summary="EAGLE-3: one feature-fusing layer; chain, or EAGLE-2 dynamic trees (eagle-tree-lookup: the "
+    "continuation of the context's latest n-gram match enters the tree first)",
 )

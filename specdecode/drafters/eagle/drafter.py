@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features, prompt_row
@@ -51,10 +52,27 @@ from specdecode.drafters.layers import (
     signed_rope,
     whole_layer_args,
 )
+from specdecode.drafters.ngram import TREE_DEPTH, lookup_continuation
 from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import plain_temperature, sample
+from specdecode.tree import TokenTree
 from specdecode.verify import Verdict
+
+# A lookup tree's prompt-lookup branch: the continuation of the latest earlier match of the
+# context's trailing n-gram, n the longest key here; its j-th token scores j * LOOKUP_LOGP[n]
+# (p 0.7 and 0.4 a token: the best of the values in benchmarks/results/served-tau-eagle-lookup.md).
+LOOKUP_LOGP = {3: -0.36, 2: -0.92}
+
+
+def lookup_prefix(ctx: np.ndarray, depth: int) -> tuple[np.ndarray | None, float]:
+    """(the continuation, up to `depth`, of the latest match of the context's trailing n-gram, the
+    longest n in LOOKUP_LOGP first; its per-token score LOOKUP_LOGP[n]), or (None, 0) without one."""
+    for n in sorted(LOOKUP_LOGP, reverse=True):
+        cont = lookup_continuation(ctx, depth, n, n)
+        if len(cont):
+            return cont, LOOKUP_LOGP[n]
+    return None, 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class TreeSpec:
     topk: int = 4
     num_nodes: int = 16
     when_sampling: str = "chain"  # a round with a T > 0 request: "chain" (<= depth drafts) or "tree"
+    lookup: bool = False  # the continuation of the context's latest n-gram match enters the tree first
 
     def __post_init__(self):
         if self.when_sampling not in ("chain", "tree"):
@@ -311,7 +330,12 @@ class EagleDrafter(Drafter):
         parents = torch.full((len(batch), width), -1, dtype=torch.long)
         num = torch.zeros(len(batch), dtype=torch.long)
         for b in idx:
-            toks, pars = self._grow_tree(batch[b], min(spec.num_nodes, num_draft[b]))
+            budget = min(spec.num_nodes, num_draft[b])
+            prefix, logp = None, 0.0
+            if spec.lookup:  # prompt lookup's branch: free to draft, point masses like the tree's
+                ctx = np.asarray(batch[b].token_ids, dtype=np.int64)
+                prefix, logp = lookup_prefix(ctx, min(budget, TREE_DEPTH))
+            toks, pars = self._grow_tree(batch[b], budget, prefix=prefix, prefix_logp=logp)
             n = len(toks)
             draft_ids[b, :n] = torch.tensor(toks)
             parents[b, :n] = torch.tensor(pars)
@@ -319,10 +343,13 @@ class EagleDrafter(Drafter):
         return Proposal(draft_ids=draft_ids, num_draft=num, parents=parents, tree_iid=False)
 
     def _grow_tree(
-        self, row: DraftRow, budget: int, levels: int | None = None
+        self, row: DraftRow, budget: int, levels: int | None = None, prefix=None, prefix_logp: float = 0.0
     ) -> tuple[list[int], list[int]]:
         """The `budget` best nodes of a tree grown `levels` deep (default: min(depth, budget),
-        as deep as a kept node can be) -> (tokens, parent positions)."""
+        as deep as a kept node can be) -> (tokens, parent positions). With a `prefix` (a chain of
+        tokens: prompt lookup's continuation), its j-th token scores j * `prefix_logp` and joins the
+        tree's nodes best first, sharing a node where both hold the same token after the same
+        parent, until the budget is spent."""
         spec, slot = self.tree, row.slot
         levels = min(spec.depth, budget) if levels is None else levels
         base = self.cache.lengths[slot]
@@ -377,6 +404,25 @@ class EagleDrafter(Drafter):
         # 3. Rerank all nodes and keep the best `budget`; ancestors score at least as high as
         #    their descendants, so the kept set is a tree. Order parents before children.
         best = sorted(range(len(toks)), key=lambda i: (-scores[i], depths[i]))[:budget]
+        if prefix is not None and len(prefix):
+            # The prefix's j-th token scores j * prefix_logp; all nodes join best first.
+            cands = [(scores[i], depths[i], "t", i) for i in best]
+            cands += [((j + 1) * prefix_logp, j + 1, "p", j) for j in range(len(prefix))]
+            cands.sort(key=lambda c: (-c[0], c[1]))
+            merged = TokenTree(budget)
+            node_of: dict[tuple[str, int], int] = {}  # (source, index) -> merged node
+            for _, _, src, i in cands:
+                if src == "t":
+                    parent, tok = (node_of.get(("t", pars[i])) if pars[i] >= 0 else -1), toks[i]
+                else:
+                    parent, tok = (node_of.get(("p", i - 1)) if i > 0 else -1), int(prefix[i])
+                if parent is None:
+                    continue  # its parent did not fit
+                got = merged.add(parent, tok)
+                if got is None:
+                    break
+                node_of[(src, i)] = got
+            return merged.tokens, merged.parents
         keep = sorted(best, key=lambda i: (depths[i], i))
         pos_of = {i: p for p, i in enumerate(keep)}
         return [toks[i] for i in keep], [pos_of[pars[i]] if pars[i] >= 0 else -1 for i in keep]
