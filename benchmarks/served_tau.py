@@ -50,7 +50,7 @@ def shown(method: str, result: dict) -> dict:
     draft (past the deepest path, or reached and never accepted) are left out of the report
     (they stay in OUT.json)."""
     acc = list(result["acceptance"])
-    while method.endswith("-tree") and acc and acc[-1] == 0.0:
+    while "-tree" in method and acc and acc[-1] == 0.0:
         acc.pop()
     return {**result, "acceptance": acc}
 
