@@ -182,13 +182,6 @@ FAMILIES = {
     "ngram": Family(lambda pk: NgramDrafter(), n=384),
     "ngram-tree": Family(lambda pk: NgramDrafter(tree=True), 192, _tree_policy, TREE_NODES + 1, heavy=True),
     "ngram-table": Family(lambda pk: NgramDrafter(table=_random_table(pk)), n=384),
-    "ngram-table-tree": Family(
-        lambda pk: NgramDrafter(table=_random_table(pk), tree=True),
-        192,
-        _tree_policy,
-        TREE_NODES + 1,
-        heavy=True,
-    ),
     "medusa": Family(lambda pk: _medusa(pk, tree=False), n=384),
     "medusa-tree": Family(lambda pk: _medusa(pk, tree=True), 256, _tree_policy, TREE_NODES + 1, heavy=True),
     "mtp": Family(_mtp, n=192, heavy=True),
@@ -200,6 +193,14 @@ FAMILIES = {
     # The DSpark scheduler on the drafter's confidences: bounds, then Algorithm 1's truncation
     # after drafting (its K from running statistics is fixed before drafting, lossless as FixedK).
     "scheduled": Family(_dspark, n=384, policy=_scheduler),
+    # A new family joins at the end: each family's seeds come from its place in this dict.
+    "ngram-table-tree": Family(
+        lambda pk: NgramDrafter(table=_random_table(pk), tree=True),
+        192,
+        _tree_policy,
+        TREE_NODES + 1,
+        heavy=True,
+    ),
 }
 N_MAX = max(f.n for f in FAMILIES.values())
 
