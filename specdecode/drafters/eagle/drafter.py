@@ -81,7 +81,7 @@ class TreeSpec:
     topk: int = 4
     num_nodes: int = 16
     when_sampling: str = "chain"  # a round with a T > 0 request: "chain" (<= depth drafts) or "tree"
-    lookup: bool = False  # the continuation of the context's latest n-gram match enters the tree first
+    lookup: bool = False  # greedy trees: the continuation of the latest n-gram match joins by its score
 
     def __post_init__(self):
         if self.when_sampling not in ("chain", "tree"):
