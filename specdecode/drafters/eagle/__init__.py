@@ -29,5 +29,5 @@ METHOD = Method(
     train_options={"draft_vocab_size": 8192, "ttt_steps": 3},
     checkpoint="eagle",
     summary="EAGLE-3: one feature-fusing layer; chain, or EAGLE-2 dynamic trees (eagle-tree-lookup: the "
-    "continuation of the context's latest n-gram match enters the tree first)",
+    "continuation of the context's latest n-gram match joins the greedy tree by its score)",
 )
