@@ -10,7 +10,8 @@ siblings in index order (put the most likely first). A chain of K drafts is the 
 Position of block row r = committed length + depth[r]; row r attends to the committed context
 plus the rows `tree_attention_mask(parents)[r]` marks (itself and its ancestors).
 `TokenTree(budget)` builds such a tree of token ids node by node (shared prefixes stored once),
-as the drafters that merge several candidate continuations do.
+as the drafters that merge several candidate continuations do; `join_by_score` merges a scored
+tree (a learned drafter's) and a chain (prompt lookup's continuation) best first into one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 __all__ = [
     "DraftTree",
     "TokenTree",
+    "join_by_score",
     "StaticTree",
     "validate_parents",
     "chain_parents",
@@ -180,3 +182,38 @@ class TokenTree:
             if node is None:
                 return False
         return True
+
+
+def join_by_score(
+    nodes: Sequence[int],
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    scores: Sequence[float],
+    depths: Sequence[int],
+    chain: Sequence[int],
+    chain_score: float,
+    budget: int,
+) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of at most `budget` nodes, parents first: the tree nodes `nodes` (indices
+    into tokens / parents (-1: the root) / cumulative scores / depths, a node's parent among them
+    or the root) and the chain's tokens (the j-th, j from 1, scoring j * `chain_score`) joined
+    best first (score, then depth), a node shared where both hold the same token after the same
+    parent. A node whose parent did not fit is left out; nothing joins once the budget is spent.
+    With scores that never rise along a path, a parent always comes before its children."""
+    cands = [(scores[i], depths[i], 0, i) for i in nodes]
+    cands += [((j + 1) * chain_score, j + 1, 1, j) for j in range(len(chain))]
+    cands.sort(key=lambda c: (-c[0], c[1]))
+    tree = TokenTree(budget)
+    node_of: dict[tuple[int, int], int] = {}  # (source: 0 tree / 1 chain, index) -> joined node
+    for _, _, src, i in cands:
+        if src == 0:
+            parent, tok = (node_of.get((0, parents[i])) if parents[i] >= 0 else -1), tokens[i]
+        else:
+            parent, tok = (node_of.get((1, i - 1)) if i > 0 else -1), int(chain[i])
+        if parent is None:
+            continue  # its parent did not fit
+        got = tree.add(parent, tok)
+        if got is None:
+            break
+        node_of[(src, i)] = got
+    return tree.tokens, tree.parents

@@ -9,6 +9,7 @@ from specdecode.tree import (
     DraftTree,
     chain_parents,
     children_lists,
+    join_by_score,
     tree_attention_mask,
     tree_depths,
     tree_from_paths,
@@ -116,3 +117,16 @@ def test_tree_from_paths_errors(paths, message):
 def test_draft_tree_record():
     tree = DraftTree(tokens=torch.tensor([5, 6, 7]), parents=torch.tensor([-1, 0, 0]))
     assert tree.num_nodes == 3
+
+
+def test_join_by_score_merges_best_first_and_shares_equal_nodes():
+    # Tree: a(-0.1) -> b(-0.5) -> c(-2.0); a -> d(-0.9); e(-1.2) off the root. Chain [a, x, y] at
+    # -0.4 a token: a is shared, x (-0.8) joins between b and d, y (-1.2) ties e at a deeper level.
+    tokens, parents = [1, 2, 3, 4, 5], [-1, 0, 1, 0, -1]
+    scores, depths = [-0.1, -0.5, -2.0, -0.9, -1.2], [1, 2, 3, 2, 1]
+    toks, pars = join_by_score(range(5), tokens, parents, scores, depths, [1, 8, 9], -0.4, budget=6)
+    assert toks == [1, 2, 8, 4, 5, 9]  # a, b, x, d, e (shallower at the tie), y; c did not fit
+    assert pars == [-1, 0, 0, 0, -1, 2]
+    # Only the nodes asked for join; a node whose parent is left out is dropped.
+    toks, pars = join_by_score([0, 2, 3], tokens, parents, scores, depths, [], 0.0, budget=6)
+    assert (toks, pars) == ([1, 4], [-1, 0])

@@ -54,6 +54,22 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
 
+# A learned drafter's lookup tree (eagle-tree-lookup, dspark-tree-lookup) takes prompt lookup's
+# branch: the continuation of the latest earlier match of the context's trailing n-gram, n the
+# longest key here; its j-th token scores j * LOOKUP_LOGP[n] beside the tree's log-probabilities
+# (p 0.7 and 0.4 a token: the best of the values in benchmarks/results/served-tau-eagle-lookup.md).
+LOOKUP_LOGP = {3: -0.36, 2: -0.92}
+
+
+def lookup_prefix(ctx: np.ndarray, depth: int) -> tuple[np.ndarray | None, float]:
+    """(the continuation, up to `depth`, of the latest match of the context's trailing n-gram, the
+    longest n in LOOKUP_LOGP first; its per-token score LOOKUP_LOGP[n]), or (None, 0) without one."""
+    for n in sorted(LOOKUP_LOGP, reverse=True):
+        cont = lookup_continuation(ctx, depth, n, n)
+        if len(cont):
+            return cont, LOOKUP_LOGP[n]
+    return None, 0.0
+
 
 def lookup_tree(
     tokens: np.ndarray, budget: int, min_ngram: int, max_ngram: int, depth: int = TREE_DEPTH

@@ -557,3 +557,72 @@ def test_qk_norm_gains_fit_the_targets_queries_and_keys(tiny, regen_dir):
     assert err_gain < 0.9 * err_ones  # the least-squares gains beat unit gains on their own data
     net_gain = task.net.layers[0].attn.q_norm.weight.detach()
     assert not torch.equal(net_gain, torch.ones_like(net_gain))  # the task used them
+
+
+def test_markov_tree_keeps_the_best_nodes_of_the_markov_head():
+    """markov_tree == brute force: every path of top-`topk` children (each ranked by the Markov
+    head given its own parent) scored by cumulative log q; the `budget` best, parents first."""
+    from specdecode.drafters.dspark.drafter import markov_tree
+    from specdecode.drafters.layers import DraftVocab
+
+    torch.manual_seed(1)
+    Bk, Vd, topk, budget = 3, 12, 3, 9
+    U, table = torch.randn(Bk, Vd) * 2, torch.randn(Vd + 1, Vd) * 2  # [Bk, Vd], [Vd + 1, Vd]
+    vocab = DraftVocab(torch.arange(Vd), Vd)
+    toks, pars, scores, depths = markov_tree(U, lambda x: table[x], vocab, Vd, budget, topk)
+    assert len(toks) == budget and all(p < i for i, p in enumerate(pars))
+    paths = []  # (score, depth, path of draft ids) of every node of the full top-k tree
+    frontier = [((), 0.0, Vd)]
+    for k in range(Bk):
+        nxt = []
+        for path, score, prev in frontier:
+            top = torch.log_softmax(U[k] + table[prev], -1).topk(topk)
+            for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                nxt.append((path + (t,), score + s, t))
+        paths += [(score, k + 1, path) for path, score, _ in nxt]
+        frontier = nxt
+    best = sorted(paths, key=lambda p: (-p[0], p[1]))[:budget]
+
+    def path_of(i):
+        return () if i < 0 else path_of(pars[i]) + (toks[i],)
+
+    assert [path_of(i) for i in range(budget)] == [p for _, _, p in best]
+    assert scores == pytest.approx([s for s, _, _ in best]) and depths == [d for _, d, _ in best]
+
+
+def test_a_dspark_tree_stays_greedy_exact_and_samples_chains(trained, tiny):
+    """dspark-tree(-lookup): greedy rounds propose trees of up to K nodes (more than the block's
+    slots), with the context's n-gram continuation in the lookup variant; output == ar's.
+    Sampled rounds draft the chain with its q."""
+    import numpy as np
+
+    from specdecode.drafters.dspark import MarkovTree
+    from specdecode.drafters.ngram import lookup_prefix
+
+    out, _ = trained("dspark")
+    prompts = [p + p for p in short_prompts(tiny.tokenizer)]  # the second half matches the first
+    ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
+    for lookup in (False, True):
+        drafter = load_dspark(out, tiny, tree=MarkovTree(topk=3, lookup=lookup))
+        assert not drafter.provides_confidences and drafter.sampled_k_max == 4
+        seen, inner = [], drafter.propose
+        drafter.propose = lambda batch, n, inner=inner, seen=seen: (
+            seen.append(([list(r.token_ids) for r in batch], inner(batch, n))) or seen[-1][1]
+        )
+        sd = decode_fixed_k(tiny, drafter, 10, prompts, max_batch=1)
+        assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+        assert max(p.max_k for _, p in seen) > 4  # more nodes than the block has slots
+        matched = 0
+        for ctxs, prop in seen:
+            n = int(prop.num_draft[0])
+            toks, pars = prop.draft_ids[0, :n].tolist(), prop.parents[0, :n].tolist()
+            assert all(q < i for i, q in enumerate(pars)) and prop.draft_probs is None
+            cont, _ = lookup_prefix(np.asarray(ctxs[0]), 4)
+            if lookup and cont is not None:
+                matched += 1
+                assert int(cont[0]) in [t for t, q in zip(toks, pars, strict=True) if q == -1]
+        assert matched > 5 or not lookup
+    seen.clear()
+    decode_fixed_k(tiny, drafter, 10, prompts[:1], SamplingParams(temperature=1.0), max_batch=1, max_new=16)
+    props = [p for _, p in seen if p.max_k > 0]
+    assert props and all(p.parents is None and p.draft_probs is not None and p.max_k <= 4 for p in props)

@@ -614,7 +614,7 @@ def test_an_eagle_lookup_tree_holds_the_context_match_and_stays_exact(tiny, trai
     at most one node per depth, so it always hangs off the root); greedy output stays ar's."""
     import numpy as np
 
-    from specdecode.drafters.eagle.drafter import lookup_prefix
+    from specdecode.drafters.ngram import lookup_prefix
 
     prompts = [p + p for p in short_prompts(tiny.tokenizer)]  # the second half matches the first
     ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)

@@ -44,6 +44,8 @@ def smollm2(smollm2_dir):
         "draft",
         "dflash",
         "dspark",
+        "dspark-tree",
+        "dspark-tree-lookup",
         "ngram-table",
         "ngram-table-tree",
     ],

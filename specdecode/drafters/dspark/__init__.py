@@ -13,13 +13,15 @@ import torch
 from specdecode.drafter import Method
 from specdecode.drafters.checkpoint import load_net
 from specdecode.drafters.dflash.model import DFlashConfig
-from specdecode.drafters.dspark.drafter import DSparkDrafter
+from specdecode.drafters.dspark.drafter import DSparkDrafter, MarkovTree
 from specdecode.drafters.dspark.model import DSpark
 
-__all__ = ["DSpark", "DSparkDrafter", "load_dspark"]
+__all__ = ["DSpark", "DSparkDrafter", "MarkovTree", "load_dspark"]
 
 
-def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "survival") -> DSparkDrafter:
+def load_dspark(
+    path, target, confidence_threshold=None, threshold_on: str = "survival", tree: MarkovTree | None = None
+) -> DSparkDrafter:
     # Checkpoints from before the opt-in bias have no `sts_bias`: zeros are what they meant.
     net = load_net(
         path,
@@ -28,16 +30,17 @@ def load_dspark(path, target, confidence_threshold=None, threshold_on: str = "su
         lambda arch: DSpark(DFlashConfig.from_json(arch)),
         defaults=lambda net: {"sts_bias": torch.zeros(net.cfg.block_size)},
     )
-    return DSparkDrafter(net, target, confidence_threshold, threshold_on)
+    return DSparkDrafter(net, target, confidence_threshold, threshold_on, tree=tree)
 
 
 def _load(variant, target, spec, confidence_threshold=None, threshold_on="survival", **kw) -> DSparkDrafter:
-    return load_dspark(spec, target, confidence_threshold, threshold_on)
+    tree = MarkovTree(lookup=variant == "dspark-tree-lookup") if "tree" in variant else None
+    return load_dspark(spec, target, confidence_threshold, threshold_on, tree=tree)
 
 
 METHOD = Method(
     name="dspark",
-    variants={"dspark": 7},
+    variants={"dspark": 7, "dspark-tree": 16, "dspark-tree-lookup": 16},
     load=_load,
     task="dspark",
     train_options={
@@ -52,5 +55,6 @@ METHOD = Method(
     },
     options=("confidence_threshold", "threshold_on"),
     checkpoint="dspark",
-    summary="DFlash backbone + Markov head + calibrated confidences for the scheduler",
+    summary="DFlash backbone + Markov head + calibrated confidences for the scheduler (dspark-tree: greedy "
+    "rounds draft a tree of the Markov head's top children; -lookup: prompt lookup's branch joins it)",
 )

@@ -52,27 +52,12 @@ from specdecode.drafters.layers import (
     signed_rope,
     whole_layer_args,
 )
-from specdecode.drafters.ngram import TREE_DEPTH, lookup_continuation
+from specdecode.drafters.ngram import TREE_DEPTH, lookup_prefix
 from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import plain_temperature, sample
-from specdecode.tree import TokenTree
+from specdecode.tree import join_by_score
 from specdecode.verify import Verdict
-
-# A lookup tree's prompt-lookup branch: the continuation of the latest earlier match of the
-# context's trailing n-gram, n the longest key here; its j-th token scores j * LOOKUP_LOGP[n]
-# (p 0.7 and 0.4 a token: the best of the values in benchmarks/results/served-tau-eagle-lookup.md).
-LOOKUP_LOGP = {3: -0.36, 2: -0.92}
-
-
-def lookup_prefix(ctx: np.ndarray, depth: int) -> tuple[np.ndarray | None, float]:
-    """(the continuation, up to `depth`, of the latest match of the context's trailing n-gram, the
-    longest n in LOOKUP_LOGP first; its per-token score LOOKUP_LOGP[n]), or (None, 0) without one."""
-    for n in sorted(LOOKUP_LOGP, reverse=True):
-        cont = lookup_continuation(ctx, depth, n, n)
-        if len(cont):
-            return cont, LOOKUP_LOGP[n]
-    return None, 0.0
 
 
 @dataclass(frozen=True)
@@ -404,25 +389,8 @@ class EagleDrafter(Drafter):
         # 3. Rerank all nodes and keep the best `budget`; ancestors score at least as high as
         #    their descendants, so the kept set is a tree. Order parents before children.
         best = sorted(range(len(toks)), key=lambda i: (-scores[i], depths[i]))[:budget]
-        if prefix is not None and len(prefix):
-            # The prefix's j-th token scores j * prefix_logp; all nodes join best first.
-            cands = [(scores[i], depths[i], "t", i) for i in best]
-            cands += [((j + 1) * prefix_logp, j + 1, "p", j) for j in range(len(prefix))]
-            cands.sort(key=lambda c: (-c[0], c[1]))
-            merged = TokenTree(budget)
-            node_of: dict[tuple[str, int], int] = {}  # (source, index) -> merged node
-            for _, _, src, i in cands:
-                if src == "t":
-                    parent, tok = (node_of.get(("t", pars[i])) if pars[i] >= 0 else -1), toks[i]
-                else:
-                    parent, tok = (node_of.get(("p", i - 1)) if i > 0 else -1), int(prefix[i])
-                if parent is None:
-                    continue  # its parent did not fit
-                got = merged.add(parent, tok)
-                if got is None:
-                    break
-                node_of[(src, i)] = got
-            return merged.tokens, merged.parents
+        if prefix is not None and len(prefix):  # the prefix's j-th token scores j * prefix_logp
+            return join_by_score(best, toks, pars, scores, depths, prefix, prefix_logp, budget)
         keep = sorted(best, key=lambda i: (depths[i], i))
         pos_of = {i: p for p, i in enumerate(keep)}
         return [toks[i] for i in keep], [pos_of[pars[i]] if pars[i] >= 0 else -1 for i in keep]
