@@ -592,8 +592,8 @@ def test_markov_tree_keeps_the_best_nodes_of_the_markov_head():
 
 def test_a_dspark_tree_stays_greedy_exact_and_samples_chains(trained, tiny):
     """dspark-tree(-lookup): greedy rounds propose trees of up to K nodes (more than the block's
-    slots), with the context's n-gram continuation in the lookup variant; output == ar's.
-    Sampled rounds draft the chain with its q."""
+    slots), with the context's n-gram continuation in the lookup variant; output == ar's, alone
+    and in a batch. Sampled rounds draft the chain with its q."""
     import numpy as np
 
     from specdecode.drafters.dspark import MarkovTree
@@ -622,6 +622,8 @@ def test_a_dspark_tree_stays_greedy_exact_and_samples_chains(trained, tiny):
                 matched += 1
                 assert int(cont[0]) in [t for t, q in zip(toks, pars, strict=True) if q == -1]
         assert matched > 5 or not lookup
+        batched = decode_fixed_k(tiny, drafter, 10, prompts)  # all three requests in one batch
+        assert [r.token_ids for r in batched] == [r.token_ids for r in ar]
     seen.clear()
     decode_fixed_k(tiny, drafter, 10, prompts[:1], SamplingParams(temperature=1.0), max_batch=1, max_new=16)
     props = [p for _, p in seen if p.max_k > 0]
