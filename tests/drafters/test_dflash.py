@@ -559,17 +559,22 @@ def test_qk_norm_gains_fit_the_targets_queries_and_keys(tiny, regen_dir):
     assert not torch.equal(net_gain, torch.ones_like(net_gain))  # the task used them
 
 
-def test_markov_tree_keeps_the_best_nodes_of_the_markov_head():
-    """markov_tree == brute force: every path of top-`topk` children (each ranked by the Markov
-    head given its own parent) scored by cumulative log q; the `budget` best, parents first."""
-    from specdecode.drafters.dspark.drafter import markov_tree
+@pytest.mark.parametrize("markov", [True, False])
+def test_block_tree_keeps_the_best_nodes_of_the_markov_head(markov):
+    """block_tree == brute force: every path of top-`topk` children (each ranked by the Markov
+    head given its own parent, or by the slot alone as DFlash's) scored by cumulative log q; the
+    `budget` best, parents first."""
+    from specdecode.drafters.dflash.drafter import block_tree
     from specdecode.drafters.layers import DraftVocab
 
     torch.manual_seed(1)
     Bk, Vd, topk, budget = 3, 12, 3, 9
     U, table = torch.randn(Bk, Vd) * 2, torch.randn(Vd + 1, Vd) * 2  # [Bk, Vd], [Vd + 1, Vd]
     vocab = DraftVocab(torch.arange(Vd), Vd)
-    toks, pars, scores, depths = markov_tree(U, lambda x: table[x], vocab, Vd, budget, topk)
+    if not markov:
+        table = torch.zeros_like(table)
+    correction = (lambda x: table[x]) if markov else None
+    toks, pars, scores, depths = block_tree(U, correction, vocab, Vd, budget, topk)
     assert len(toks) == budget and all(p < i for i, p in enumerate(pars))
     paths = []  # (score, depth, path of draft ids) of every node of the full top-k tree
     frontier = [((), 0.0, Vd)]
@@ -590,28 +595,31 @@ def test_markov_tree_keeps_the_best_nodes_of_the_markov_head():
     assert scores == pytest.approx([s for s, _, _ in best]) and depths == [d for _, d, _ in best]
 
 
-def test_a_dspark_tree_stays_greedy_exact_and_samples_chains(trained, tiny):
-    """dspark-tree(-lookup): greedy rounds propose trees of up to K nodes (more than the block's
-    slots), with the context's n-gram continuation in the lookup variant; output == ar's, alone
-    and in a batch. Sampled rounds draft the chain with its q."""
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_a_block_tree_stays_greedy_exact_and_samples_chains(trained, tiny, method):
+    """dspark-tree(-lookup), dflash-tree(-lookup): greedy rounds propose trees of up to K nodes
+    (more than the block's slots), with the context's n-gram continuation in the lookup variant;
+    output == ar's, alone and in a batch. Sampled rounds draft the chain with its q."""
     import numpy as np
 
-    from specdecode.drafters.dspark import MarkovTree
+    from specdecode.drafters.dflash import BlockTree
     from specdecode.drafters.ngram import lookup_prefix
 
-    out, _ = trained("dspark")
+    out, _ = trained(method)
+    load = load_dspark if method == "dspark" else load_dflash
     prompts = [p + p for p in short_prompts(tiny.tokenizer)]  # the second half matches the first
     ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     for lookup in (False, True):
-        drafter = load_dspark(out, tiny, tree=MarkovTree(topk=3, lookup=lookup))
-        assert not drafter.provides_confidences and drafter.sampled_k_max == 4
+        drafter = load(out, tiny, tree=BlockTree(topk=3, lookup=lookup))
+        slots = drafter.net.cfg.num_drafts
+        assert not drafter.provides_confidences and drafter.sampled_k_max == slots
         seen, inner = [], drafter.propose
         drafter.propose = lambda batch, n, inner=inner, seen=seen: (
             seen.append(([list(r.token_ids) for r in batch], inner(batch, n))) or seen[-1][1]
         )
         sd = decode_fixed_k(tiny, drafter, 10, prompts, max_batch=1)
         assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
-        assert max(p.max_k for _, p in seen) > 4  # more nodes than the block has slots
+        assert max(p.max_k for _, p in seen) > slots  # more nodes than the block has slots
         matched = 0
         for ctxs, prop in seen:
             n = int(prop.num_draft[0])
@@ -627,4 +635,4 @@ def test_a_dspark_tree_stays_greedy_exact_and_samples_chains(trained, tiny):
     seen.clear()
     decode_fixed_k(tiny, drafter, 10, prompts[:1], SamplingParams(temperature=1.0), max_batch=1, max_new=16)
     props = [p for _, p in seen if p.max_k > 0]
-    assert props and all(p.parents is None and p.draft_probs is not None and p.max_k <= 4 for p in props)
+    assert props and all(p.parents is None and p.draft_probs is not None and p.max_k <= slots for p in props)

@@ -43,6 +43,7 @@ def smollm2(smollm2_dir):
         "mtp",
         "draft",
         "dflash",
+        "dflash-tree-lookup",
         "dspark",
         "dspark-tree",
         "dspark-tree-lookup",

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 from specdecode.drafter import Method
 from specdecode.drafters.checkpoint import load_net
-from specdecode.drafters.dflash.drafter import DFlashDrafter
+from specdecode.drafters.dflash.drafter import BlockTree, DFlashDrafter
 from specdecode.drafters.dflash.model import DFlash, DFlashConfig, dflash_layers
 
-__all__ = ["DFlash", "DFlashConfig", "DFlashDrafter", "dflash_layers", "load_dflash"]
+__all__ = ["BlockTree", "DFlash", "DFlashConfig", "DFlashDrafter", "dflash_layers", "load_dflash"]
 
 
-def load_dflash(path, target) -> DFlashDrafter:
+def load_dflash(path, target, tree: BlockTree | None = None) -> DFlashDrafter:
     net = load_net(path, "dflash", target, lambda arch: DFlash(DFlashConfig.from_json(arch)))
-    return DFlashDrafter(net, target)
+    return DFlashDrafter(net, target, tree=tree)
 
 
 METHOD = Method(
     name="dflash",
-    variants={"dflash": 7},
-    load=lambda variant, target, spec, **kw: load_dflash(spec, target),
+    variants={"dflash": 7, "dflash-tree": 16, "dflash-tree-lookup": 16},
+    load=lambda variant, target, spec, **kw: load_dflash(
+        spec, target, tree=BlockTree(lookup=variant == "dflash-tree-lookup") if "tree" in variant else None
+    ),
     task="dflash",
     train_options={
         "draft_vocab_size": 8192,
@@ -34,5 +36,6 @@ METHOD = Method(
         "mask_token_id": "auto",  # the tokenizer's mask / unk / pad / eos token (default_mask_token)
     },
     checkpoint="dflash",
-    summary="block diffusion: a whole block of drafts in one forward",
+    summary="block diffusion: a whole block of drafts in one forward (dflash-tree: greedy rounds draft a "
+    "tree of each slot's top ids; -lookup: prompt lookup's branch joins it)",
 )

@@ -21,14 +21,27 @@ Contract:
   masses (`draft_probs` None: what temperature 0 processing gives, and what greedy
   verification reads) without the processing and without uniforms (a greedy request's
   generator decides nothing).
-- Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially.
+- Tree (`tree=BlockTree(topk, lookup)`, greedy rounds): one block forward gives a whole tree
+  (`block_tree`): the anchor's children are the top-`topk` draft ids of the first draft slot, a
+  node at depth k gets the top-`topk` of slot k + 1 (DFlash's slots are independent given the
+  context, so every node at a depth ranks the same candidates; DSpark adds its Markov term for
+  the node's own token), and nodes join best first by cumulative log q up to the round's K
+  nodes, at most one block deep. With `lookup`, prompt lookup's continuation joins by its score
+  (`ngram.lookup_prefix`, `tree.join_by_score`). Siblings are chosen deterministically, so the
+  loop verifies point-mass candidates; a round where a request samples (T > 0) drafts the chain.
+- Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially, and
+  `_correction` / `_anchor_draft_id` to condition a tree node's children on its token.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
@@ -42,17 +55,69 @@ from specdecode.drafters.layers import (
     signed_rope,
     whole_layer_args,
 )
+from specdecode.drafters.ngram import TREE_DEPTH, lookup_prefix
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
+from specdecode.tree import join_by_score
 from specdecode.verify import Verdict
+
+
+@dataclass(frozen=True)
+class BlockTree:
+    topk: int = 4  # children ranked per expanded node
+    lookup: bool = False  # prompt lookup's continuation joins the tree by its score
+
+
+def block_tree(
+    U: torch.Tensor,  # [Bk, Vd] logits of one request's draft slots
+    correction,  # None (slots independent: DFlash), or draft ids [1] -> [1, Vd] (DSpark's W2(W1[x]))
+    vocab: DraftVocab,
+    prev: int,  # draft id of the anchor (what `correction` reads first)
+    budget: int,
+    topk: int,
+) -> tuple[list[int], list[int], list[float], list[int]]:
+    """The `budget` best nodes of the block's tree by cumulative log q, best first (so parents
+    before children): (draft ids, parents (-1: the anchor), cumulative log q, depths). A node at
+    depth k (1..Bk) is drafted at slot k - 1; its children rank the top-`topk` of
+    log_softmax(U[k] + correction(node)) (of U[k] without one). Ties go to the shallower node,
+    then the earlier push."""
+    toks: list[int] = []
+    pars: list[int] = []
+    scores: list[float] = []
+    depths: list[int] = []
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, push order, parent, draft id)
+    order = itertools.count()
+
+    def push_children(node: int, depth: int, tok: int, score: float) -> None:
+        logits = U[depth]  # [Vd]
+        if correction is not None:
+            logits = logits + correction(torch.tensor([tok], device=U.device))[0].to(U.dtype)
+        lp = vocab.log_probs(logits)  # [Vd]
+        top = lp.topk(min(topk, lp.shape[-1]))
+        for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            heapq.heappush(heap, (-(score + s), depth + 1, next(order), node, t))
+
+    push_children(-1, 0, prev, 0.0)
+    while heap and len(toks) < budget:
+        neg, depth, _, parent, tok = heapq.heappop(heap)
+        toks.append(tok)
+        pars.append(parent)
+        scores.append(-neg)
+        depths.append(depth)
+        if depth < U.shape[0] and len(toks) < budget:
+            push_children(len(toks) - 1, depth, tok, -neg)
+    return toks, pars, scores, depths
 
 
 class DFlashDrafter(Drafter):
     name = "dflash"
     deterministic = False
 
-    def __init__(self, net: DFlash, target, cost_per_token: float = 0.02):
+    def __init__(self, net: DFlash, target, cost_per_token: float = 0.02, tree: BlockTree | None = None):
         self.net = net.eval()
+        self.tree = tree
+        if tree is not None:  # sampled rounds draft the chain: at most one block
+            self.sampled_k_max = net.cfg.num_drafts
         self.target = target.model
         self.vocab_size = target.vocab_size  # tokenizer size: ids past it never drafted
         self.vocab_rows = target.model.info.vocab_size  # V
@@ -201,9 +266,17 @@ class DFlashDrafter(Drafter):
             x = sample(q, u.to(q.device))
         return self.vocab.to_target(x).cpu(), q, num, {}
 
+    _correction = None  # DSpark: draft ids [n] -> [n, Vd], the Markov head's term of the next slot
+
+    def _anchor_draft_id(self, token: int) -> int:
+        """The anchor as `_correction` reads it (unused without one)."""
+        return 0
+
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         idx = [b for b, k in enumerate(num_draft) if k > 0]
+        if self.tree is not None and all(batch[b].params.greedy for b in idx):
+            return self._propose_tree(batch, num_draft)
         t0 = time.perf_counter()
         self._catch_up([batch[b].slot for b in idx])
         catch_up_s = time.perf_counter() - t0
@@ -221,6 +294,40 @@ class DFlashDrafter(Drafter):
             extras = {key: _scatter_rows(val.cpu(), sel, len(batch)) for key, val in extras.items()}
         vocab = None if draft_probs is None else self.vocab.d2t
         return Proposal(ids, n, draft_probs, draft_vocab=vocab, extras=extras, catch_up_s=catch_up_s)
+
+    def _propose_tree(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
+        """A greedy round's trees (`block_tree`, one per request, up to its K nodes), with prompt
+        lookup's branch joined by score when `tree.lookup`; point-mass candidates."""
+        idx = [b for b, k in enumerate(num_draft) if k > 0]
+        t0 = time.perf_counter()
+        self._catch_up([batch[b].slot for b in idx])
+        catch_up_s = time.perf_counter() - t0
+        if not idx:
+            return empty_proposal(len(batch))
+        first, n_slots = self.net.cfg.first_draft_slot, self.net.cfg.num_drafts
+        U = self._logits(self._block_states(batch, idx)[:, first : first + n_slots]).float()  # [B', Bk, Vd]
+        width = max(num_draft[b] for b in idx)
+        draft_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, K]
+        parents = torch.full((len(batch), width), -1, dtype=torch.long)  # [B, K]
+        num = torch.zeros(len(batch), dtype=torch.long)
+        for i, b in enumerate(idx):
+            budget, prev = num_draft[b], self._anchor_draft_id(batch[b].token_ids[-1])
+            ids, pars, scores, depths = block_tree(
+                U[i], self._correction, self.vocab, prev, budget, self.tree.topk
+            )
+            toks = self.vocab.to_target(torch.tensor(ids, dtype=torch.long)).tolist()
+            if self.tree.lookup:  # prompt lookup's branch joins by its score
+                prefix, logp = lookup_prefix(
+                    np.asarray(batch[b].token_ids, dtype=np.int64), min(budget, TREE_DEPTH)
+                )
+                if prefix is not None:
+                    toks, pars = join_by_score(
+                        range(len(toks)), toks, pars, scores, depths, prefix, logp, budget
+                    )
+            draft_ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            parents[b, : len(toks)] = torch.tensor(pars, dtype=torch.long)
+            num[b] = len(toks)
+        return Proposal(draft_ids, num, parents=parents, tree_iid=False, catch_up_s=catch_up_s)
 
     # ---- advance --------------------------------------------------------------------------
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:

@@ -12,15 +12,16 @@ import torch
 
 from specdecode.drafter import Method
 from specdecode.drafters.checkpoint import load_net
+from specdecode.drafters.dflash.drafter import BlockTree
 from specdecode.drafters.dflash.model import DFlashConfig
-from specdecode.drafters.dspark.drafter import DSparkDrafter, MarkovTree
+from specdecode.drafters.dspark.drafter import DSparkDrafter
 from specdecode.drafters.dspark.model import DSpark
 
-__all__ = ["DSpark", "DSparkDrafter", "MarkovTree", "load_dspark"]
+__all__ = ["DSpark", "DSparkDrafter", "load_dspark"]
 
 
 def load_dspark(
-    path, target, confidence_threshold=None, threshold_on: str = "survival", tree: MarkovTree | None = None
+    path, target, confidence_threshold=None, threshold_on: str = "survival", tree: BlockTree | None = None
 ) -> DSparkDrafter:
     # Checkpoints from before the opt-in bias have no `sts_bias`: zeros are what they meant.
     net = load_net(
@@ -34,7 +35,7 @@ def load_dspark(
 
 
 def _load(variant, target, spec, confidence_threshold=None, threshold_on="survival", **kw) -> DSparkDrafter:
-    tree = MarkovTree(lookup=variant == "dspark-tree-lookup") if "tree" in variant else None
+    tree = BlockTree(lookup=variant == "dspark-tree-lookup") if "tree" in variant else None
     return load_dspark(spec, target, confidence_threshold, threshold_on, tree=tree)
 
 

@@ -19,15 +19,11 @@ Contract:
   (what processing at temperature 0 gives), without the per-slot processing.
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
   scheduler (`provides_confidences`).
-- Tree (`tree=MarkovTree(topk, lookup)`, greedy rounds): the Markov head makes every slot's
-  distribution a function of the token before it, so one backbone forward gives a whole tree:
-  node x at depth k has the children top-`topk` of log q_{k+1}(. | x) = log_softmax(U_{k+1} +
-  W2(W1[x])), and nodes join best first by cumulative log q (`markov_tree`) up to the round's K
-  nodes, at most `block_size` deep. With `lookup`, prompt lookup's continuation joins by its
-  score (`ngram.lookup_prefix`, `tree.join_by_score`). Siblings are chosen deterministically, so
-  the loop verifies point-mass candidates; a round where a request samples (T > 0) drafts the
-  chain instead (at most `block_size` drafts). Tree rounds carry no confidences (the adaptive
-  policy picks K from measured acceptance).
+- Tree (`tree=BlockTree(topk, lookup)`, greedy rounds; DFlashDrafter's `block_tree` with the
+  Markov head's term): every slot's distribution is a function of the token before it only, so
+  one backbone forward gives a whole tree: node x at depth k has the children top-`topk` of
+  log q_{k+1}(. | x) = log_softmax(U_{k+1} + W2(W1[x])). Tree rounds carry no confidences (the
+  adaptive policy picks K from measured acceptance).
 - Per-request truncation: with `confidence_threshold`, a request stops drafting at the first k
   whose c_k ("confidence") or prefix survival a_k = prod_{i<=k} c_i ("survival") is below the
   threshold. The decision for slot k reads only c_k, which depends on x_{k-1} but never on x_k,
@@ -36,73 +32,19 @@ Contract:
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import time
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-from specdecode.drafter import Proposal, empty_proposal
-from specdecode.drafters.dflash.drafter import DFlashDrafter
+from specdecode.drafters.dflash.drafter import BlockTree, DFlashDrafter
 from specdecode.drafters.dflash.model import t2d_table
 from specdecode.drafters.dspark.model import DSpark
-from specdecode.drafters.layers import DraftVocab
-from specdecode.drafters.ngram import TREE_DEPTH, lookup_prefix
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
 from specdecode.sampling import plain_temperature, sample
-from specdecode.tree import join_by_score
 
 THRESHOLD_ON = ("survival", "confidence")
 # The Markov table trades memory for the per-slot product: (Vd + 1) x Vd values (134 MB in bf16,
 # 268 MB in fp32 for the default Vd 8192); larger draft vocabularies keep the product.
 MARKOV_TABLE_BYTES = 300 * 2**20
-
-
-@dataclass(frozen=True)
-class MarkovTree:
-    topk: int = 4  # children ranked per expanded node
-    lookup: bool = False  # prompt lookup's continuation joins the tree by its score
-
-
-def markov_tree(
-    U: torch.Tensor,  # [Bk, Vd] backbone logits of one request's block
-    correction,  # draft id [1] -> [1, Vd]: W2(W1[x]), the Markov head's term
-    vocab: DraftVocab,
-    prev: int,  # draft id of the anchor (Vd: outside the draft vocabulary)
-    budget: int,
-    topk: int,
-) -> tuple[list[int], list[int], list[float], list[int]]:
-    """The `budget` best nodes of the Markov tree by cumulative log q, best first (so parents
-    before children): (draft ids, parents (-1: the anchor), cumulative log q, depths). A node at
-    depth k (1..Bk) is drafted at slot k - 1; its children rank the top-`topk` of
-    log_softmax(U[k] + correction(node)). Ties go to the shallower node, then the earlier push."""
-    toks: list[int] = []
-    pars: list[int] = []
-    scores: list[float] = []
-    depths: list[int] = []
-    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, push order, parent, draft id)
-    order = itertools.count()
-
-    def push_children(node: int, depth: int, tok: int, score: float) -> None:
-        bias = correction(torch.tensor([tok], device=U.device))[0].to(U.dtype)  # [Vd]
-        lp = vocab.log_probs(U[depth] + bias)  # [Vd]
-        top = lp.topk(min(topk, lp.shape[-1]))
-        for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            heapq.heappush(heap, (-(score + s), depth + 1, next(order), node, t))
-
-    push_children(-1, 0, prev, 0.0)
-    while heap and len(toks) < budget:
-        neg, depth, _, parent, tok = heapq.heappop(heap)
-        toks.append(tok)
-        pars.append(parent)
-        scores.append(-neg)
-        depths.append(depth)
-        if depth < U.shape[0] and len(toks) < budget:
-            push_children(len(toks) - 1, depth, tok, -neg)
-    return toks, pars, scores, depths
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -116,15 +58,13 @@ class DSparkDrafter(DFlashDrafter):
         confidence_threshold: float | None = None,
         threshold_on: str = "survival",
         cost_per_token: float = 0.02,
-        tree: MarkovTree | None = None,
+        tree: BlockTree | None = None,
     ):
-        super().__init__(net, target, cost_per_token)
-        self.tree = tree
-        if tree is not None:  # tree rounds: K from measured acceptance; sampled rounds: one block
+        super().__init__(net, target, cost_per_token, tree=tree)
+        if tree is not None:  # tree rounds: K from measured acceptance
             if confidence_threshold is not None:
                 raise SpecDecodeError("--confidence-threshold truncates chains; a dspark tree takes none")
             self.provides_confidences = False
-            self.sampled_k_max = net.cfg.num_drafts
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise SpecDecodeError(f"--confidence-threshold must be in [0, 1], got {confidence_threshold}")
         if threshold_on not in THRESHOLD_ON:
@@ -137,42 +77,13 @@ class DSparkDrafter(DFlashDrafter):
         fits = (Vd + 1) * Vd * dtype.itemsize <= MARKOV_TABLE_BYTES
         self.markov = net.markov_table().to(self.device, dtype) if fits else None  # [Vd + 1, Vd]
 
-    def _correction(self, prev: torch.Tensor) -> torch.Tensor:  # [n] draft ids -> [n, Vd]
+    def _correction(self, prev: torch.Tensor) -> torch.Tensor:  # [n] draft ids -> [n, Vd]: W2(W1[prev])
         if self.markov is not None:
             return self.markov[prev]
         return self.net.W2(self.net.W1(prev))
 
-    @torch.no_grad()
-    def propose(self, batch, num_draft: list[int]) -> Proposal:
-        idx = [b for b, k in enumerate(num_draft) if k > 0]
-        if self.tree is None or not all(batch[b].params.greedy for b in idx):
-            return super().propose(batch, num_draft)  # the chain (a tree's sampled rounds too)
-        t0 = time.perf_counter()
-        self._catch_up([batch[b].slot for b in idx])
-        catch_up_s = time.perf_counter() - t0
-        if not idx:
-            return empty_proposal(len(batch))
-        U = self._logits(self._block_states(batch, idx)).float()  # [B', Bk, Vd]
-        width = max(num_draft[b] for b in idx)
-        draft_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, K]
-        parents = torch.full((len(batch), width), -1, dtype=torch.long)  # [B, K]
-        num = torch.zeros(len(batch), dtype=torch.long)
-        for i, b in enumerate(idx):
-            prev = int(self.t2d[batch[b].token_ids[-1]])
-            ids, pars, scores, depths = markov_tree(
-                U[i], self._correction, self.vocab, prev, num_draft[b], self.tree.topk
-            )
-            toks = self.vocab.to_target(torch.tensor(ids, dtype=torch.long)).tolist()
-            if self.tree.lookup:  # prompt lookup's branch joins by its score
-                ctx = np.asarray(batch[b].token_ids, dtype=np.int64)
-                prefix, logp = lookup_prefix(ctx, min(num_draft[b], TREE_DEPTH))
-                if prefix is not None:
-                    nodes = range(len(toks))
-                    toks, pars = join_by_score(nodes, toks, pars, scores, depths, prefix, logp, num_draft[b])
-            draft_ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            parents[b, : len(toks)] = torch.tensor(pars, dtype=torch.long)
-            num[b] = len(toks)
-        return Proposal(draft_ids, num, parents=parents, tree_iid=False, catch_up_s=catch_up_s)
+    def _anchor_draft_id(self, token: int) -> int:
+        return int(self.t2d[token])
 
     def _chain_op(self, U: torch.Tensor, sampled: bool = False):
         """The compiled Markov pass when it applies, else None: greedy (`kernels`' markov_argmax)
