@@ -54,7 +54,7 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
 
-# A learned drafter's lookup tree (eagle-tree-lookup, dspark-tree-lookup) takes prompt lookup's
+# A learned drafter's lookup tree (eagle-, dspark-, dflash-tree-lookup) takes prompt lookup's
 # branch: the continuation of the latest earlier match of the context's trailing n-gram, n the
 # longest key here; its j-th token scores j * LOOKUP_LOGP[n] beside the tree's log-probabilities
 # (p 0.7 and 0.4 a token: the best of the values in benchmarks/results/served-tau-eagle-lookup.md).
