@@ -3,7 +3,8 @@
 For each drafter (`METHOD[:K][=DIR]`, default: the drafter shipped for the target, K its usual
 draft length; a tree method's K is its node budget) and each prompt source, the real speculative
 loop (fixed K; `scaling_curve.served`, the scaling curve's own measure) at temperature 0 and 1
-gives tau (tokens per target forward) and the acceptance per draft position. Sources: `chat` and
+(`--temperatures`: others too) gives tau (tokens per target forward) and the acceptance per draft
+position. Sources: `chat` and
 `code` are the benchmark's MT-Bench and HumanEval prompts (chat template; the training prompts
 are kept disjoint from them), `prompts` the held-out split of a prompt set (`--eval-data`).
 Timing plays no part: tau is the same on a busy machine.
@@ -55,7 +56,17 @@ def shown(method: str, result: dict) -> dict:
     return {**result, "acceptance": acc}
 
 
+def temperature_key(t: float) -> str:
+    """A row's key for one temperature: `greedy`, `t1`, else e.g. `t0.7`."""
+    return "greedy" if t == 0 else "t1" if t == 1 else f"t{t:g}"
+
+
+def temperature_name(key: str) -> str:
+    return "greedy" if key == "greedy" else f"T={key[1:]}"
+
+
 def write_report(out: Path, rows: list[dict], meta: dict) -> None:
+    keys = [temperature_key(t) for t in meta.get("temperatures", (0.0, 1.0))]
     lines = [
         f"# Served tau on held-out prompts: {meta['target']} (benchmarks/served_tau.py)",
         "",
@@ -66,16 +77,16 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| drafter | K | source | tau greedy | acceptance per position (greedy) | tau T=1 | acceptance T=1 |",
-        "|---|---|---|---|---|---|---|",
+        "| drafter | K | source | "
+        + " | ".join(f"tau {(n := temperature_name(k))} | acceptance per position ({n})" for k in keys)
+        + " |",
+        "|---|---|---|" + "---|---|" * len(keys),
     ]
     for r in rows:
-        r = {**r, **{key: shown(r["method"], r[key]) for key in ("greedy", "t1")}}
-        lines.append(
-            f"| {r['method']}{'' if r['drafter'] is None else ' (' + r['drafter'] + ')'} | {r['k']} "
-            f"| {r['source']} | {r['greedy']['tau']} | {r['greedy']['acceptance']} "
-            f"| {r['t1']['tau']} | {r['t1']['acceptance']} |"
-        )
+        r = {**r, **{key: shown(r["method"], r[key]) for key in keys}}
+        cells = " | ".join(f"{r[k]['tau']} | {r[k]['acceptance']}" for k in keys)
+        name = f"{r['method']}{'' if r['drafter'] is None else ' (' + r['drafter'] + ')'}"
+        lines.append(f"| {name} | {r['k']} | {r['source']} | {cells} |")
     lines += [
         "",
         "A tree's acceptance per position is per depth along the accepted path (a node at depth j",
@@ -93,6 +104,7 @@ def main() -> None:
     ap.add_argument("--eval-data", default=None, help="prompt set with heldout.jsonl (for `prompts`)")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
     ap.add_argument("--out", required=True, help="OUT.md and OUT.json")
     a = ap.parse_args()
     target = load_model(a.target)
@@ -103,6 +115,7 @@ def main() -> None:
         "machine": cpu_kind(),
         "max_new_tokens": a.max_new_tokens,
         "num_prompts": a.num_prompts,
+        "temperatures": [float(t) for t in a.temperatures.split(",")],
         "command": "python benchmarks/served_tau.py "
         + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "out"
@@ -113,8 +126,8 @@ def main() -> None:
         drafter = build_drafter(method, target, ckpt)
         for source, prompts in sources.items():
             row = {"method": method, "k": k, "drafter": ckpt, "source": source}
-            for key, temperature in (("greedy", 0.0), ("t1", 1.0)):
-                row[key] = served(target, drafter, prompts, k, a.max_new_tokens, temperature)
+            for t in meta["temperatures"]:
+                row[temperature_key(t)] = served(target, drafter, prompts, k, a.max_new_tokens, t)
             print(json.dumps(row), flush=True)
             rows.append(row)
             write_report(Path(a.out), rows, meta)

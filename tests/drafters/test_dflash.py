@@ -599,7 +599,8 @@ def test_block_tree_keeps_the_best_nodes_of_the_markov_head(markov):
 def test_a_block_tree_stays_greedy_exact_and_samples_chains(trained, tiny, method):
     """dspark-tree(-lookup), dflash-tree(-lookup): greedy rounds propose trees of up to K nodes
     (more than the block's slots), with the context's n-gram continuation in the lookup variant;
-    output == ar's, alone and in a batch. Sampled rounds draft the chain with its q."""
+    output == ar's, alone and in a batch. Sampled rounds at T <= max_temperature draft the same
+    point-mass trees (at most a block's worth of nodes), hotter ones the chain with its q."""
     import numpy as np
 
     from specdecode.drafters.dflash import BlockTree
@@ -632,7 +633,19 @@ def test_a_block_tree_stays_greedy_exact_and_samples_chains(trained, tiny, metho
         assert matched > 5 or not lookup
         batched = decode_fixed_k(tiny, drafter, 10, prompts)  # all three requests in one batch
         assert [r.token_ids for r in batched] == [r.token_ids for r in ar]
-    seen.clear()
-    decode_fixed_k(tiny, drafter, 10, prompts[:1], SamplingParams(temperature=1.0), max_batch=1, max_new=16)
-    props = [p for _, p in seen if p.max_k > 0]
-    assert props and all(p.parents is None and p.draft_probs is not None and p.max_k <= slots for p in props)
+    for temperature in (0.7, 1.0):
+        drafter = load(out, tiny, tree=BlockTree(topk=3))
+        seen, inner = [], drafter.propose
+        drafter.propose = lambda batch, n, inner=inner, seen=seen: seen.append(inner(batch, n)) or seen[-1]
+        params = SamplingParams(temperature=temperature)
+        decode_fixed_k(tiny, drafter, 10, prompts[:1], params, max_batch=1, max_new=16)
+        props = [p for p in seen if p.max_k > 0]
+        assert props
+        if temperature <= 0.7:  # point masses (the loop's K here is fixed, past a block)
+            assert all(p.parents is not None and p.draft_probs is None for p in props)
+        else:
+            assert all(p.parents is None and p.draft_probs is not None and p.max_k <= slots for p in props)
+    assert BlockTree(max_temperature=1.0).drafts_tree([SamplingParams(temperature=1.0), SamplingParams()])
+    assert not BlockTree().drafts_tree([SamplingParams(temperature=0.8), SamplingParams()])
+    with pytest.raises(ValueError, match="max_temperature"):
+        BlockTree(max_temperature=float("nan"))

@@ -37,7 +37,7 @@ from loop_stats import VerifierSpy, chi_square, exact_law
 
 from specdecode.config import SamplingParams
 from specdecode.decode import GenerationRequest, SpeculativeDecoder
-from specdecode.drafters.dflash import DFlash, DFlashConfig, DFlashDrafter
+from specdecode.drafters.dflash import BlockTree, DFlash, DFlashConfig, DFlashDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.dspark import DSpark, DSparkDrafter
 from specdecode.drafters.eagle import Eagle3, EagleConfig, EagleDrafter, TreeSpec
@@ -126,7 +126,7 @@ def _dflash(peaked):
     return DFlashDrafter(net.eval(), peaked.target)
 
 
-def _dspark(peaked, threshold=None):
+def _dspark(peaked, threshold=None, tree=None):
     with _seeded(4), torch.no_grad():
         net = DSpark(_dflash_cfg(peaked, block_size=K, layout="dspark", markov_rank=8))
         net.init_from_target(peaked.target.model.embed_tokens, _d2t(peaked))
@@ -139,7 +139,7 @@ def _dspark(peaked, threshold=None):
         net.conf.weight[:, 0] = 0.0
         net.conf.weight[:, d:].normal_(0.0, 1.0)
         net.conf.bias.zero_()
-    return DSparkDrafter(net.eval(), peaked.target, confidence_threshold=threshold)
+    return DSparkDrafter(net.eval(), peaked.target, confidence_threshold=threshold, tree=tree)
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,14 @@ FAMILIES = {
     # A new family joins at the end: each family's seeds come from its place in this dict.
     "ngram-table-tree": Family(
         lambda pk: NgramDrafter(table=_random_table(pk), tree=True),
+        192,
+        _tree_policy,
+        TREE_NODES + 1,
+        heavy=True,
+    ),
+    # DSpark's Markov tree (with prompt lookup's branch), drafted at both settings' temperatures.
+    "dspark-tree": Family(
+        lambda pk: _dspark(pk, tree=BlockTree(topk=2, lookup=True, max_temperature=1.0)),
         192,
         _tree_policy,
         TREE_NODES + 1,

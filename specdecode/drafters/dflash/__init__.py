@@ -36,6 +36,6 @@ METHOD = Method(
         "mask_token_id": "auto",  # the tokenizer's mask / unk / pad / eos token (default_mask_token)
     },
     checkpoint="dflash",
-    summary="block diffusion: a whole block of drafts in one forward (dflash-tree: greedy rounds draft a "
-    "tree of each slot's top ids; -lookup: prompt lookup's branch joins it)",
+    summary="block diffusion: a whole block of drafts in one forward (dflash-tree: a tree of each slot's "
+    "top ids; -lookup: prompt lookup's branch joins it)",
 )

@@ -21,14 +21,19 @@ Contract:
   masses (`draft_probs` None: what temperature 0 processing gives, and what greedy
   verification reads) without the processing and without uniforms (a greedy request's
   generator decides nothing).
-- Tree (`tree=BlockTree(topk, lookup)`, greedy rounds): one block forward gives a whole tree
+- Tree (`tree=BlockTree(topk, lookup, max_temperature)`): one block forward gives a whole tree
   (`block_tree`): the anchor's children are the top-`topk` draft ids of the first draft slot, a
   node at depth k gets the top-`topk` of slot k + 1 (DFlash's slots are independent given the
   context, so every node at a depth ranks the same candidates; DSpark adds its Markov term for
   the node's own token), and nodes join best first by cumulative log q up to the round's K
   nodes, at most one block deep. With `lookup`, prompt lookup's continuation joins by its score
   (`ngram.lookup_prefix`, `tree.join_by_score`). Siblings are chosen deterministically, so the
-  loop verifies point-mass candidates; a round where a request samples (T > 0) drafts the chain.
+  loop verifies point-mass candidates: a candidate is accepted with the target's probability of
+  it, lossless at any temperature. A round whose requests all sample at T <= `max_temperature`
+  (0.7) drafts the same tree (at most a block's worth of nodes for a sampled request, the
+  policy's `sampled_k_max`); a hotter round drafts the sampled chain: on SmolLM2 the point-mass
+  tree kept more than the sampled chain at T 0.3-0.7 and less at T 1
+  (benchmarks/results/served-tau-block-tree-sampling.md).
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially, and
   `_correction` / `_anchor_draft_id` to condition a tree node's children on its token.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
@@ -66,6 +71,17 @@ from specdecode.verify import Verdict
 class BlockTree:
     topk: int = 4  # children ranked per expanded node
     lookup: bool = False  # prompt lookup's continuation joins the tree by its score
+    # A round drafts the tree when every request's temperature is at most this (greedy: 0), else
+    # the sampled chain (benchmarks/results/bench-smollm2-135m-amx-block-tree-sampling).
+    max_temperature: float = 0.7
+
+    def __post_init__(self):
+        if not self.max_temperature >= 0.0:
+            raise ValueError(f"max_temperature must be >= 0, got {self.max_temperature!r}")
+
+    def drafts_tree(self, params) -> bool:
+        """Whether a round of requests with these sampling settings drafts the tree."""
+        return all(p.greedy or p.temperature <= self.max_temperature for p in params)
 
 
 def block_tree(
@@ -116,7 +132,7 @@ class DFlashDrafter(Drafter):
     def __init__(self, net: DFlash, target, cost_per_token: float = 0.02, tree: BlockTree | None = None):
         self.net = net.eval()
         self.tree = tree
-        if tree is not None:  # sampled rounds draft the chain: at most one block
+        if tree is not None:  # a sampled request's round: at most a block's worth of drafts or nodes
             self.sampled_k_max = net.cfg.num_drafts
         self.target = target.model
         self.vocab_size = target.vocab_size  # tokenizer size: ids past it never drafted
@@ -275,7 +291,7 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         idx = [b for b, k in enumerate(num_draft) if k > 0]
-        if self.tree is not None and all(batch[b].params.greedy for b in idx):
+        if self.tree is not None and self.tree.drafts_tree([batch[b].params for b in idx]):
             return self._propose_tree(batch, num_draft)
         t0 = time.perf_counter()
         self._catch_up([batch[b].slot for b in idx])
@@ -296,8 +312,9 @@ class DFlashDrafter(Drafter):
         return Proposal(ids, n, draft_probs, draft_vocab=vocab, extras=extras, catch_up_s=catch_up_s)
 
     def _propose_tree(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
-        """A greedy round's trees (`block_tree`, one per request, up to its K nodes), with prompt
-        lookup's branch joined by score when `tree.lookup`; point-mass candidates."""
+        """A round's trees (`block_tree`, one per request, up to its K nodes), with prompt lookup's
+        branch joined by score when `tree.lookup`; point-mass candidates at any temperature (the
+        tree is ranked by q at T = 1, whatever the request's sampling settings)."""
         idx = [b for b, k in enumerate(num_draft) if k > 0]
         t0 = time.perf_counter()
         self._catch_up([batch[b].slot for b in idx])

@@ -56,6 +56,6 @@ METHOD = Method(
     },
     options=("confidence_threshold", "threshold_on"),
     checkpoint="dspark",
-    summary="DFlash backbone + Markov head + calibrated confidences for the scheduler (dspark-tree: greedy "
-    "rounds draft a tree of the Markov head's top children; -lookup: prompt lookup's branch joins it)",
+    summary="DFlash backbone + Markov head + calibrated confidences for the scheduler (dspark-tree: a tree "
+    "of the Markov head's top children; -lookup: prompt lookup's branch joins it)",
 )

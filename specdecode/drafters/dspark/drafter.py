@@ -19,7 +19,7 @@ Contract:
   (what processing at temperature 0 gives), without the per-slot processing.
 - Confidences go to `Proposal.extras["confidences"]` ([B, K], c_k per draft) for the serving
   scheduler (`provides_confidences`).
-- Tree (`tree=BlockTree(topk, lookup)`, greedy rounds; DFlashDrafter's `block_tree` with the
+- Tree (`tree=BlockTree(...)`, DFlashDrafter's tree rounds and `block_tree` with the
   Markov head's term): every slot's distribution is a function of the token before it only, so
   one backbone forward gives a whole tree: node x at depth k has the children top-`topk` of
   log q_{k+1}(. | x) = log_softmax(U_{k+1} + W2(W1[x])). Tree rounds carry no confidences (the
