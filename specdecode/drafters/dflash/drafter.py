@@ -32,8 +32,8 @@ Contract:
   it, lossless at any temperature. A round whose requests all sample at T <= `max_temperature`
   (0.7) drafts the same tree (at most a block's worth of nodes for a sampled request, the
   policy's `sampled_k_max`); a hotter round drafts the sampled chain: on SmolLM2 the point-mass
-  tree kept more than the sampled chain at T 0.3-0.7 and less at T 1
-  (benchmarks/results/served-tau-block-tree-sampling.md).
+  tree kept far more than the sampled chain at T 0.3-0.7, and at T 1 its adaptive rounds ran
+  slower (benchmarks/results/served-tau-block-tree-sampling.md and the bench beside it).
 - Subclasses (DSpark) override `_draft(...)` to sample the slots sequentially, and
   `_correction` / `_anchor_draft_id` to condition a tree node's children on its token.
 Legend: B requests, Bk block slots, K drafts, d width, Vd draft vocab, V target vocab rows.
