@@ -4,9 +4,9 @@ For each drafter (`METHOD[:K][=DIR]`, default: the drafter shipped for the targe
 draft length; a tree method's K is its node budget) and each prompt source, the real speculative
 loop (fixed K; `scaling_curve.served`, the scaling curve's own measure) at temperature 0 and 1
 (`--temperatures`: others too) gives tau (tokens per target forward) and the acceptance per draft
-position. Sources: `chat` and
-`code` are the benchmark's MT-Bench and HumanEval prompts (chat template; the training prompts
-are kept disjoint from them), `prompts` the held-out split of a prompt set (`--eval-data`).
+position. Sources: `chat` and `code` are the benchmark's MT-Bench and HumanEval prompts (chat
+template; the training prompts are kept disjoint from them), `prompts` the held-out split of a
+prompt set (`--eval-data`).
 Timing plays no part: tau is the same on a busy machine.
 
 Usage: OMP_NUM_THREADS=2 python benchmarks/served_tau.py --target smollm2-135m \
