@@ -61,9 +61,11 @@ TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
 LOOKUP_LOGP = {3: -0.36, 2: -0.92}
 
 
-def lookup_prefix(ctx: np.ndarray, depth: int) -> tuple[np.ndarray | None, float]:
-    """(the continuation, up to `depth`, of the latest match of the context's trailing n-gram, the
-    longest n in LOOKUP_LOGP first; its per-token score LOOKUP_LOGP[n]), or (None, 0) without one."""
+def lookup_prefix(tokens, budget: int) -> tuple[np.ndarray | None, float]:
+    """(the continuation, up to min(`budget`, TREE_DEPTH) tokens, of the latest match of the
+    context's trailing n-gram, the longest n in LOOKUP_LOGP first; its per-token score
+    LOOKUP_LOGP[n]), or (None, 0) without one. `tokens`: the context's ids (any sequence)."""
+    ctx, depth = np.asarray(tokens, dtype=np.int64), min(budget, TREE_DEPTH)
     for n in sorted(LOOKUP_LOGP, reverse=True):
         cont = lookup_continuation(ctx, depth, n, n)
         if len(cont):

@@ -46,7 +46,6 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features
@@ -60,7 +59,7 @@ from specdecode.drafters.layers import (
     signed_rope,
     whole_layer_args,
 )
-from specdecode.drafters.ngram import TREE_DEPTH, lookup_prefix
+from specdecode.drafters.ngram import lookup_prefix
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.tree import join_by_score
@@ -291,13 +290,13 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
         idx = [b for b, k in enumerate(num_draft) if k > 0]
-        if self.tree is not None and self.tree.drafts_tree([batch[b].params for b in idx]):
-            return self._propose_tree(batch, num_draft)
         t0 = time.perf_counter()
         self._catch_up([batch[b].slot for b in idx])
         catch_up_s = time.perf_counter() - t0
         if not idx:
             return empty_proposal(len(batch))
+        if self.tree is not None and self.tree.drafts_tree([batch[b].params for b in idx]):
+            return self._propose_tree(batch, idx, num_draft, catch_up_s)
         num = [min(num_draft[b], self.net.cfg.num_drafts) for b in idx]
         states = self._block_states(batch, idx)
         ids, q, num, extras = self._draft(batch, idx, states, num)  # [B', K] ...
@@ -311,16 +310,11 @@ class DFlashDrafter(Drafter):
         vocab = None if draft_probs is None else self.vocab.d2t
         return Proposal(ids, n, draft_probs, draft_vocab=vocab, extras=extras, catch_up_s=catch_up_s)
 
-    def _propose_tree(self, batch: list[DraftRow], num_draft: list[int]) -> Proposal:
-        """A round's trees (`block_tree`, one per request, up to its K nodes), with prompt lookup's
-        branch joined by score when `tree.lookup`; point-mass candidates at any temperature (the
-        tree is ranked by q at T = 1, whatever the request's sampling settings)."""
-        idx = [b for b, k in enumerate(num_draft) if k > 0]
-        t0 = time.perf_counter()
-        self._catch_up([batch[b].slot for b in idx])
-        catch_up_s = time.perf_counter() - t0
-        if not idx:
-            return empty_proposal(len(batch))
+    def _propose_tree(self, batch: list[DraftRow], idx: list[int], num_draft: list[int], catch_up_s: float):
+        """A round's trees for the requests `idx` (caught up; `block_tree`, one per request, up to
+        its K nodes), with prompt lookup's branch joined by score when `tree.lookup`; point-mass
+        candidates at any temperature (the tree is ranked by q at T = 1, whatever the request's
+        sampling settings)."""
         first, n_slots = self.net.cfg.first_draft_slot, self.net.cfg.num_drafts
         U = self._logits(self._block_states(batch, idx)[:, first : first + n_slots]).float()  # [B', Bk, Vd]
         width = max(num_draft[b] for b in idx)
@@ -334,9 +328,7 @@ class DFlashDrafter(Drafter):
             )
             toks = self.vocab.to_target(torch.tensor(ids, dtype=torch.long)).tolist()
             if self.tree.lookup:  # prompt lookup's branch joins by its score
-                prefix, logp = lookup_prefix(
-                    np.asarray(batch[b].token_ids, dtype=np.int64), min(budget, TREE_DEPTH)
-                )
+                prefix, logp = lookup_prefix(batch[b].token_ids, budget)
                 if prefix is not None:
                     toks, pars = join_by_score(
                         range(len(toks)), toks, pars, scores, depths, prefix, logp, budget

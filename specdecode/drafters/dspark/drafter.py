@@ -135,10 +135,7 @@ class DSparkDrafter(DFlashDrafter):
                         num[i] = j  # stop before sampling x_j: decided from x_{<j} only
             if all(j >= k for k in num):
                 break
-            if self.markov is None:
-                logits = net.markov_logits(U[:, j], prev)  # [B', Vd]
-            else:
-                logits = U[:, j] + self.markov[prev].to(U.dtype)  # [B', Vd]
+            logits = U[:, j] + self._correction(prev).to(U.dtype)  # [B', Vd]
             if greedy:  # the point mass at the argmax: what temperature 0 processing gives
                 x = self.vocab.argmax(logits)
             else:

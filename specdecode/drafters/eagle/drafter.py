@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdecode.drafter import Drafter, DraftRow, Proposal, empty_proposal, gather_features, prompt_row
@@ -52,7 +51,7 @@ from specdecode.drafters.layers import (
     signed_rope,
     whole_layer_args,
 )
-from specdecode.drafters.ngram import TREE_DEPTH, lookup_prefix
+from specdecode.drafters.ngram import lookup_prefix
 from specdecode.models import kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import plain_temperature, sample
@@ -318,8 +317,7 @@ class EagleDrafter(Drafter):
             budget = min(spec.num_nodes, num_draft[b])
             prefix, logp = None, 0.0
             if spec.lookup:  # prompt lookup's branch: free to draft, point masses like the tree's
-                ctx = np.asarray(batch[b].token_ids, dtype=np.int64)
-                prefix, logp = lookup_prefix(ctx, min(budget, TREE_DEPTH))
+                prefix, logp = lookup_prefix(batch[b].token_ids, budget)
             toks, pars = self._grow_tree(batch[b], budget, prefix=prefix, prefix_logp=logp)
             n = len(toks)
             draft_ids[b, :n] = torch.tensor(toks)
