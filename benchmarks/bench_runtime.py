@@ -1,7 +1,8 @@
 """Runtime benchmark: where a target step's time goes, per weight format, on this machine.
 
-For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4; or `kernel:NAME`,
-one kernel of `formats.KERNELS` at every size) the target is
+For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4; `kernel:NAME`,
+one kernel of `formats.KERNELS` at every size; or `plan:K@1-2/K2@3-64/K3@65+`, a plan written as
+`FormatPlan.name` writes it with `/` between its parts: e.g. the plan auto chose before) the target is
 loaded and measured in one process, formats interleaved per repeat so that machine noise hits
 them alike:
 - T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
@@ -190,13 +191,32 @@ def main() -> None:
 
 
 def _load(target: str, fmt: str):
-    """A `--dtype` value, or `kernel:NAME`: one kernel of `formats.KERNELS` at every size (e.g.
-    `kernel:int8`, int8 with fp32 activations, beside `int8`, the int8 kernel measured fastest)."""
-    if not fmt.startswith("kernel:"):
+    """A `--dtype` value, `kernel:NAME`: one kernel of `formats.KERNELS` at every size (e.g.
+    `kernel:int8`, int8 with fp32 activations, beside `int8`, the int8 kernel measured fastest),
+    or `plan:...` (`_plan_of`)."""
+    if not fmt.startswith(("kernel:", "plan:")):
         return load_model(target, dtype=fmt, device="cpu").model
     model = load_model(target, dtype="fp32", device="cpu").model
-    model.use_formats(FormatPlan((fmt.split(":", 1)[1],) * len(BUCKETS)), keep_masters=False)
+    kind, name = fmt.split(":", 1)
+    plan = FormatPlan((name,) * len(BUCKETS)) if kind == "kernel" else _plan_of(name)
+    model.use_formats(plan, keep_masters=False)
     return model
+
+
+def _plan_of(spec: str) -> FormatPlan:
+    """`bf16-amx@1-64/bf16-onednn@65+` -> the FormatPlan whose `name` is that with commas."""
+    ranges = []  # (first rows, last rows or None, kernel)
+    for part in spec.split("/"):
+        kernel, rows = part.rsplit("@", 1)
+        lo, _, hi = rows.rstrip("+").partition("-")
+        ranges.append((int(lo), None if rows.endswith("+") else int(hi or lo), kernel))
+    kernels = []
+    for m in BUCKETS:
+        got = [k for lo, hi, k in ranges if lo <= m and (hi is None or m <= hi)]
+        if len(got) != 1:
+            raise SystemExit(f"plan {spec!r} names {len(got)} kernels for products of {m} rows")
+        kernels.append(got[0])
+    return FormatPlan(tuple(kernels))
 
 
 def _cpu() -> str:
