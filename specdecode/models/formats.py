@@ -36,8 +36,7 @@ Contract:
   matrix shapes (random weights, several layers so they do not fit in cache), picks the
   kernel per bucket from as few kernels as possible, at most two (each holds its own copy of
   the weights: a kernel already in the plan serves a bucket where it is within 10 % of the
-  fastest, 3 % for one-row products, every step of plain decoding), or three for a model whose
-  three bf16 copies take at most 1/16 of the machine's memory (`max_copies`), and
+  fastest), and
   caches the measurement and the plan as JSON under
   `<cache_dir>/formats/`, keyed by torch version, CPU capability, CPU model, thread count, the
   shapes and the sources of our own kernels. No CPU flag is read to decide: a kernel that is
@@ -58,7 +57,6 @@ import bisect
 import hashlib
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,12 +82,7 @@ _BF16_WEIGHTS = _BF16 | set(OURS)  # kernels whose products see the weights roun
 _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
-# ... except one-row products, every step of plain decoding: there within 3 % (on the AMX kind
-# bf16-amx's one-row product, 8 % behind bf16w's, cost `ar` 12 % of its tokens/s)
-DECODE_SLACK = 1.03
 MAX_COPIES = 2  # kernels (copies of every weight) in one plan: a 1.5B model's bf16 copy is 3 GB
-SMALL_COPIES = 3  # ... or this many where they take at most COPIES_SHARE of the machine's memory
-COPIES_SHARE = 1 / 16
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -416,19 +409,14 @@ def measure_kernels(
     return out
 
 
-def plan_from_profile(
-    profile: dict[str, list[float | None]],
-    slack: float = PLAN_SLACK,
-    max_copies: int = MAX_COPIES,
-    decode_slack: float = DECODE_SLACK,
-) -> FormatPlan:
+def plan_from_profile(profile: dict[str, list[float | None]], slack: float = PLAN_SLACK) -> FormatPlan:
     """The fastest kernel per bucket, from as few kernels as possible.
 
     Every distinct kernel in a plan holds its own copy of every weight, so a plan takes the
     smallest set of kernels in which each bucket has one within `slack` of that bucket's
-    fastest (`decode_slack` for one-row products) (ties: the least total time), then the
-    fastest of the set per bucket; never more than `max_copies` kernels (if none that few cover
-    every bucket within the slack: the set of that size with the least total time).
+    fastest (ties: the least total time), then the fastest of the set per bucket; never more
+    than `MAX_COPIES` kernels (if none that few cover every bucket within the slack: the set
+    of that size with the least total time).
     """
     best = []
     for bi in range(len(BUCKETS)):
@@ -438,7 +426,7 @@ def plan_from_profile(
         best.append(min(timed))
     names = [k for k, v in profile.items() if any(t is not None for t in v)]
     ranked = []  # (outside the slack somewhere, kernels if not, total ms, plan)
-    for size in range(1, min(max_copies, len(names)) + 1):
+    for size in range(1, min(MAX_COPIES, len(names)) + 1):
         for ks in itertools.combinations(names, size):
             chosen = []
             for bi in range(len(BUCKETS)):
@@ -446,28 +434,10 @@ def plan_from_profile(
                 chosen.append(min(timed, key=lambda k, b=bi: profile[k][b]) if timed else None)
             if None in chosen:
                 continue
-            loose = any(
-                profile[k][bi] > best[bi] * (decode_slack if BUCKETS[bi] == 1 else slack)
-                for bi, k in enumerate(chosen)
-            )
+            loose = any(profile[k][bi] > best[bi] * slack for bi, k in enumerate(chosen))
             total = sum(profile[k][bi] for bi, k in enumerate(chosen))
             ranked.append((loose, 0 if loose else size, total, tuple(chosen)))
     return FormatPlan(min(ranked)[3])
-
-
-def max_copies(
-    shapes: Sequence[tuple[int, int]],
-    head: tuple[int, int] | None,
-    num_layers: int,
-    memory: int | None = None,
-) -> int:
-    """How many kernels a plan may hold for these shapes: `SMALL_COPIES` copies of the bf16
-    weights where they take at most `COPIES_SHARE` of `memory` (bytes; None: this machine's),
-    else `MAX_COPIES`."""
-    if memory is None:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    params = num_layers * sum(o * i for o, i in shapes) + (head[0] * head[1] if head else 0)
-    return SMALL_COPIES if SMALL_COPIES * 2 * params <= COPIES_SHARE * memory else MAX_COPIES
 
 
 def _measurement_key(
@@ -501,21 +471,21 @@ def auto_plan(
     """The measured plan for these shapes on this machine (cached); returns (plan, record)."""
     if device.type != "cpu":
         return forced_plan("bf16"), {"reason": f"{device.type}: bf16 tensor cores"}
-    copies = max_copies(shapes, head, num_layers)
+
     key = _measurement_key(
         shapes,
         head,
         num_layers,
         AUTO_CANDIDATES,
         BUCKETS,
-        f"{PLAN_SLACK},{DECODE_SLACK},{copies}",
+        f"{PLAN_SLACK},{MAX_COPIES}",
         kernels.source_tag(),  # our kernels changed: time them again
     )
     path = cache_dir() / "formats" / f"{key}.json"
 
     def measure() -> dict:
         profile = measure_kernels(shapes, head, num_layers)
-        plan = plan_from_profile(profile, max_copies=copies)
+        plan = plan_from_profile(profile)
         return {
             "plan": plan.to_json(),
             "name": plan.name,
