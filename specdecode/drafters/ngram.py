@@ -38,12 +38,18 @@ def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator
     """Where the continuations of the earlier matches of the trailing n-gram start: longest n
     first, the most recent match first (lazily: a shorter n is searched only when asked)."""
     n_tok = len(tokens)
+    if n_tok < 2:
+        return
+    # A match of n tokens ends at e <= n_tok - 2 (before the trailing n-gram's last token) and
+    # e >= n - 1; every match ends on a copy of the last token, so only those ends are checked.
+    ends = np.flatnonzero(tokens[: n_tok - 1] == tokens[-1])  # [M] ascending
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-        pattern = tokens[n_tok - n :]
-        # Windows that start at i and end before the trailing n-gram itself.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
-        for hit in np.nonzero((windows == pattern).all(axis=1))[0][::-1].tolist():
-            yield hit + n  # the token after the match
+        e = ends[ends >= n - 1]
+        ok = np.ones(len(e), dtype=bool)
+        for j in range(1, n):
+            ok &= tokens[e - j] == tokens[n_tok - 1 - j]
+        for hit in e[ok][::-1].tolist():
+            yield hit + 1  # the token after the match
 
 
 def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> np.ndarray:

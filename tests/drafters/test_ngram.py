@@ -1,5 +1,7 @@
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdecode.config import SamplingParams
 from specdecode.drafter import DraftRow
@@ -9,6 +11,7 @@ from specdecode.drafters.ngram import (
     context_keys,
     lookup_continuation,
     lookup_tree,
+    match_starts,
     table_continuation,
     table_tree,
 )
@@ -20,6 +23,23 @@ def test_lookup_prefers_longest_and_latest_match():
     assert lookup_continuation(toks, 3, 1, 3).tolist() == [7, 8, 5]
     assert lookup_continuation(np.array([4, 5, 6]), 3, 1, 3).tolist() == []  # no match at all
     assert lookup_continuation(np.array([1, 2, 1, 2]), 5, 1, 3).tolist() == [1, 2]  # ends at the context
+
+
+def _match_starts_by_brute_force(toks: list[int], min_ngram: int, max_ngram: int) -> list[int]:
+    out = []
+    for n in range(min(max_ngram, len(toks) - 1), min_ngram - 1, -1):
+        for s in range(len(toks) - 1 - n, -1, -1):  # windows ending before the last token
+            if toks[s : s + n] == toks[-n:]:
+                out.append(s + n)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 3), st.integers(1, 4))
+def test_match_starts_finds_every_match_longest_and_latest_first(toks, min_ngram, span):
+    max_ngram = min_ngram + span - 1
+    got = list(match_starts(np.array(toks, dtype=np.int64), min_ngram, max_ngram))
+    assert got == _match_starts_by_brute_force(toks, min_ngram, max_ngram)
 
 
 def test_propose_is_ragged_and_point_mass():
