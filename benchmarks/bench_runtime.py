@@ -1,10 +1,10 @@
 """Runtime benchmark: where a target step's time goes, per weight format, on this machine.
 
 For each `--formats` entry (a `--dtype` value: auto, bf16, fp32, int8, int4; `kernel:NAME`,
-one kernel of `formats.KERNELS` at every size; or `plan:K@1-2/K2@3-64/K3@65+`, a plan written as
-`FormatPlan.name` writes it with `/` between its parts: e.g. the plan auto chose before) the target is
-loaded and measured in one process, formats interleaved per repeat so that machine noise hits
-them alike:
+one kernel of `formats.KERNELS` at every size; or `plan:K@1-2/K2@3-64/K3@65+`, a plan as
+`FormatPlan.name` writes it with `/` between its parts, e.g. a plan auto chose before) the
+target is loaded and measured in one process, formats interleaved per repeat so that machine
+noise hits them alike:
 - T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
   and T(8)/T(1), the price of verifying 7 drafts;
 - the split of T(1) and T(8) into matrix products, attention, whole layers run as one call

@@ -40,8 +40,8 @@ def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator
     n_tok = len(tokens)
     if n_tok < 2:
         return
-    # A match of n tokens ends at e <= n_tok - 2 (before the trailing n-gram's last token) and
-    # e >= n - 1; every match ends on a copy of the last token, so only those ends are checked.
+    # A match of n tokens lies before the context's last token (it ends at e <= n_tok - 2) and
+    # ends at e >= n - 1, on a copy of the last token: only those ends are checked.
     ends = np.flatnonzero(tokens[: n_tok - 1] == tokens[-1])  # [M] ascending
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         e = ends[ends >= n - 1]

@@ -76,8 +76,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows) {
 // Rows [m0, m0 + rows) against the NB = 2 output blocks of group g: C into out[2][rows][16].
 // A group's blocks lie interleaved by kb, so the pass reads one sequential stream of weights,
 // prefetched PF input blocks ahead into L1 (T0: SmolLM2's T(1)-T(8) 2-5 % faster than into L2,
-// T(16) 1-2 % slower: benchmarks/results/runtime-smollm2-135m-amx-l1-prefetch); two input blocks per iteration use separate tiles
-// (A: 2, 3; B: 4-7), so no load waits for the multiply before it to release its tile.
+// T(16) 1-2 % slower: benchmarks/results/runtime-smollm2-135m-amx-l1-prefetch); two input
+// blocks per iteration use separate tiles (A: 2, 3; B: 4-7), so no load waits for the
+// multiply before it to release its tile.
 __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const uint16_t* xa, int64_t Kp,
                                                              const uint16_t* P, int64_t kb_n,
                                                              int64_t g, float* out) {
