@@ -559,22 +559,33 @@ def test_qk_norm_gains_fit_the_targets_queries_and_keys(tiny, regen_dir):
     assert not torch.equal(net_gain, torch.ones_like(net_gain))  # the task used them
 
 
-@pytest.mark.parametrize("markov", [True, False])
-def test_block_tree_keeps_the_best_nodes_of_the_markov_head(markov):
+@pytest.mark.parametrize("ranking", ["markov", "slots", "markov-compiled"])
+def test_block_tree_keeps_the_best_nodes_of_the_markov_head(ranking):
     """block_tree == brute force: every path of top-`topk` children (each ranked by the Markov
-    head given its own parent, or by the slot alone as DFlash's) scored by cumulative log q; the
-    `budget` best, parents first."""
+    head given its own parent, or by the slot alone as DFlash's; or by `kernels`' markov_topk,
+    DSpark's compiled ranking) scored by cumulative log q; the `budget` best, parents first."""
     from specdecode.drafters.dflash.drafter import block_tree
     from specdecode.drafters.layers import DraftVocab
+    from specdecode.models import kernels
 
     torch.manual_seed(1)
     Bk, Vd, topk, budget = 3, 12, 3, 9
     U, table = torch.randn(Bk, Vd) * 2, torch.randn(Vd + 1, Vd) * 2  # [Bk, Vd], [Vd + 1, Vd]
     vocab = DraftVocab(torch.arange(Vd), Vd)
-    if not markov:
+    if ranking == "slots":
         table = torch.zeros_like(table)
-    correction = (lambda x: table[x]) if markov else None
-    toks, pars, scores, depths = block_tree(U, correction, vocab, Vd, budget, topk)
+    correction = (lambda x: table[x]) if ranking != "slots" else None
+    children = None
+    if ranking == "markov-compiled":
+        ops = kernels.fused()
+        if ops is None:
+            pytest.skip(f"no compiled kernels here: {kernels.unavailable.get('cpu')}")
+
+        def children(u, tok, k):
+            vals, ids = ops.markov_topk(u, table, tok, None, k)
+            return vals.tolist(), ids.tolist()
+
+    toks, pars, scores, depths = block_tree(U, correction, vocab, Vd, budget, topk, children)
     assert len(toks) == budget and all(p < i for i, p in enumerate(pars))
     paths = []  # (score, depth, path of draft ids) of every node of the full top-k tree
     frontier = [((), 0.0, Vd)]

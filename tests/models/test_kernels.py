@@ -331,6 +331,33 @@ def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
         ops.markov_argmax(u, table, torch.tensor([V + 1, 0, 0]), None)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_markov_topk_ranks_a_nodes_children_as_log_softmax_and_topk(ops, dtype):
+    """markov_topk == topk(log_softmax(u + table[prev]) with off ids at -inf): the same ids in
+    the same order (ties to the lower id) and the same log-probabilities up to rounding."""
+    g = torch.Generator().manual_seed(5)
+    V = 8 * 40 + 3  # whole vectors and a tail
+    u = torch.randn(V, generator=g) * 3  # [V]
+    table = (torch.randn(V + 1, V, generator=g) * 3).to(dtype)  # [V + 1, V]
+    off = torch.zeros(V, dtype=torch.bool)
+    off[[1, 7, V - 1]] = True
+    for o in (None, off):
+        for prev in (0, 17, V):
+            s = u + table[prev].float()
+            lp = torch.log_softmax(s if o is None else s.masked_fill(o, float("-inf")), -1)
+            for k in (1, 4, 9):
+                want = lp.topk(k)
+                vals, ids = ops.markov_topk(u, table, prev, o, k)
+                assert ids.tolist() == want.indices.tolist()
+                torch.testing.assert_close(vals, want.values, rtol=0, atol=1e-5)
+    ties = torch.zeros(V)
+    ties[[30, 5, 200, V - 2]] = 2.0  # four equal best, in blocks and the tail
+    vals, ids = ops.markov_topk(ties, torch.zeros(1, V), 0, None, 3)
+    assert ids.tolist() == [5, 30, 200]
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.markov_topk(u, table, V + 1, None, 4)
+
 def test_markov_argmax_takes_torchs_choice_on_nan_inf_and_ties(ops):
     """The vectorised argmax (no off ids) picks what torch.argmax picks: the first NaN, the first
     of equal maxima wherever they fall in the 8-lane blocks, index 0 for a row of -inf."""

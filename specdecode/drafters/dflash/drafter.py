@@ -90,26 +90,37 @@ def block_tree(
     prev: int,  # draft id of the anchor (what `correction` reads first)
     budget: int,
     topk: int,
+    children=None,  # None, or (U[k] [Vd], draft id, topk) -> (log q, draft ids) of that node's children
 ) -> tuple[list[int], list[int], list[float], list[int]]:
     """The `budget` best nodes of the block's tree by cumulative log q, best first (so parents
     before children): (draft ids, parents (-1: the anchor), cumulative log q, depths). A node at
     depth k (1..Bk) is drafted at slot k - 1; its children rank the top-`topk` of
-    log_softmax(U[k] + correction(node)) (of U[k] without one). Ties go to the shallower node,
-    then the earlier push."""
+    log_softmax(U[k] + correction(node)) (of U[k] without one: the same for every node of a
+    depth, ranked once), or what `children` gives (a compiled ranking of the same). Ties go to
+    the shallower node, then the earlier push."""
     toks: list[int] = []
     pars: list[int] = []
     scores: list[float] = []
     depths: list[int] = []
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, push order, parent, draft id)
     order = itertools.count()
+    per_depth: dict[int, tuple[list[float], list[int]]] = {}  # without a correction
 
-    def push_children(node: int, depth: int, tok: int, score: float) -> None:
+    def ranked(depth: int, tok: int) -> tuple[list[float], list[int]]:
+        if children is not None:
+            return children(U[depth], tok, topk)
+        if correction is None and depth in per_depth:
+            return per_depth[depth]
         logits = U[depth]  # [Vd]
         if correction is not None:
             logits = logits + correction(torch.tensor([tok], device=U.device))[0].to(U.dtype)
         lp = vocab.log_probs(logits)  # [Vd]
         top = lp.topk(min(topk, lp.shape[-1]))
-        for s, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        got = per_depth[depth] = top.values.tolist(), top.indices.tolist()
+        return got
+
+    def push_children(node: int, depth: int, tok: int, score: float) -> None:
+        for s, t in zip(*ranked(depth, tok), strict=True):
             heapq.heappush(heap, (-(score + s), depth + 1, next(order), node, t))
 
     push_children(-1, 0, prev, 0.0)
@@ -283,6 +294,10 @@ class DFlashDrafter(Drafter):
 
     _correction = None  # DSpark: draft ids [n] -> [n, Vd], the Markov head's term of the next slot
 
+    def _children_op(self, U: torch.Tensor):
+        """A compiled `children` for block_tree on these logits, or None (the torch ranking)."""
+        return None
+
     def _anchor_draft_id(self, token: int) -> int:
         """The anchor as `_correction` reads it (unused without one)."""
         return 0
@@ -324,7 +339,7 @@ class DFlashDrafter(Drafter):
         for i, b in enumerate(idx):
             budget, prev = num_draft[b], self._anchor_draft_id(batch[b].token_ids[-1])
             ids, pars, scores, depths = block_tree(
-                U[i], self._correction, self.vocab, prev, budget, self.tree.topk
+                U[i], self._correction, self.vocab, prev, budget, self.tree.topk, self._children_op(U)
             )
             toks = self.vocab.to_target(torch.tensor(ids, dtype=torch.long)).tolist()
             if self.tree.lookup:  # prompt lookup's branch joins by its score

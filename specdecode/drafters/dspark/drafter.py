@@ -82,6 +82,21 @@ class DSparkDrafter(DFlashDrafter):
             return self.markov[prev]
         return self.net.W2(self.net.W1(prev))
 
+    def _children_op(self, U: torch.Tensor):
+        """block_tree's `children` through `kernels`' markov_topk (the Markov table on the CPU,
+        fp32 logits), else None."""
+        ops = kernels.fused()
+        op = getattr(ops, "markov_topk", None) if ops is not None and self.markov is not None else None
+        if op is None or U.device.type != "cpu" or U.dtype != torch.float32:
+            return None
+        table, off = self.markov, self.vocab.off
+
+        def children(u: torch.Tensor, tok: int, k: int) -> tuple[list[float], list[int]]:
+            vals, ids = op(u, table, tok, off, k)
+            return vals.tolist(), ids.tolist()
+
+        return children
+
     def _anchor_draft_id(self, token: int) -> int:
         return int(self.t2d[token])
 

@@ -12,7 +12,8 @@ Contract:
     CPU without AVX512-BF16), then `bf16dp_linear(x [M, K] fp32, packed, N, bias | None)`
     (the AMX product's arithmetic and weight layout, on vector dot-product instructions);
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
-    `attention`; contracts in that file), and DSpark's greedy Markov pass `markov_argmax`;
+    `attention`; contracts in that file), DSpark's Markov passes `markov_argmax` and
+    `markov_sample`, and `markov_topk` (a DSpark tree node's children);
     `attention_avx512(on)` switches attention's value pass between AVX-512 and 8 lanes (the
     same result bit for bit; chosen by timing both when the extension loads, `choices`);
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call

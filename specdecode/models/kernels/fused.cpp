@@ -26,6 +26,9 @@
 //   markov_sample(u, table, prev, off, uniforms [n, K] fp32, temperature) -> ([n, K] int64, q [n, K, V])
 //       the same chain sampled: x_k drawn from q_k = softmax((s_k - max) / T) over the v not `off`
 //       (s_k = u[:, k] + table[x_{k-1}]) by inverse CDF with uniforms[:, k] (sampling.sample's rule)
+//   markov_topk(u [V] fp32, table [R, V] fp32|bf16, prev int, off [V] bool | None, k)
+//       -> (log-probs [k] fp32, ids [k] int64): the k best v of s = u + table[prev] (v not `off`)
+//       by s, ties to the lower v, with s - logsumexp(s): a DSpark tree node's children (block_tree)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -834,6 +837,65 @@ std::tuple<torch::Tensor, torch::Tensor> markov_impl(const char* op, const torch
   return {ids, q};
 }
 
+// One row of markov_topk: s into `s` (off ids -inf), then the top k by insertion (k is small).
+template <typename T>
+void topk_row(const float* u, const T* row, const bool* off, int64_t V, int64_t k, float* s, float* vals,
+              int64_t* ids) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(NEG);
+  for (int64_t v = 0; v < V; ++v) s[v] = (off && off[v]) ? NEG : u[v] + to_f(row[v]);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + v));
+  float mx = hmax(vmax);
+  for (int64_t t = v; t < V; ++t) mx = std::max(mx, s[t]);
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (v = 0; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp_shifted(_mm256_loadu_ps(s + v), vm));
+  double sum = hadd(acc);
+  for (int64_t t = v; t < V; ++t) sum += std::exp(s[t] - mx);
+  const float lse = mx + static_cast<float>(std::log(sum));
+  int64_t n = 0;  // vals[0..n) descending; a later v enters only above an equal value's place
+  for (v = 0; v < V; ++v) {
+    const float x = s[v];
+    if (x == NEG || (n == k && !(x > vals[n - 1]))) continue;
+    int64_t at = n < k ? n++ : k - 1;
+    while (at > 0 && x > vals[at - 1]) {
+      vals[at] = vals[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    vals[at] = x;
+    ids[at] = v;
+  }
+  for (int64_t j = 0; j < n; ++j) vals[j] -= lse;
+  for (int64_t j = n; j < k; ++j) vals[j] = NEG, ids[j] = 0;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> markov_topk(const torch::Tensor& u, const torch::Tensor& table, int64_t prev,
+                                                     const c10::optional<torch::Tensor>& off, int64_t k) {
+  check_f32(u, "u");
+  TORCH_CHECK(u.dim() == 1 && table.dim() == 2 && table.size(1) == u.size(0), "u [V], table [R, V]");
+  const int64_t V = u.size(0), R = table.size(0);
+  TORCH_CHECK(prev >= 0 && prev < R, "markov_topk: previous id ", prev, " outside the table's ", R, " rows");
+  TORCH_CHECK(k >= 1 && k <= V, "markov_topk: k must be in [1, V]");
+  const auto uc = u.contiguous(), tc = table.contiguous();
+  torch::Tensor oc;
+  const bool* offp = off_mask(off, V, oc);
+  auto vals = torch::empty({k}, uc.options());
+  auto ids = torch::empty({k}, uc.options().dtype(torch::kInt64));
+  thread_local std::vector<float> s;
+  s.resize(V);
+  if (tc.scalar_type() == torch::kFloat32) {
+    topk_row<float>(uc.data_ptr<float>(), tc.data_ptr<float>() + prev * V, offp, V, k, s.data(),
+                    vals.data_ptr<float>(), ids.data_ptr<int64_t>());
+  } else {
+    TORCH_CHECK(tc.scalar_type() == torch::kBFloat16, "table must be float32 or bfloat16");
+    topk_row<uint16_t>(uc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(tc.data_ptr<at::BFloat16>()) + prev * V,
+                       offp, V, k, s.data(), vals.data_ptr<float>(), ids.data_ptr<int64_t>());
+  }
+  return {vals, ids};
+}
+
 torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
                             const c10::optional<torch::Tensor>& off) {
   return std::get<0>(markov_impl("markov_argmax", u, table, prev, off, nullptr, 1.0));
@@ -858,6 +920,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("markov_argmax(Tensor u, Tensor table, Tensor prev, Tensor? off) -> Tensor");
   m.def("markov_sample(Tensor u, Tensor table, Tensor prev, Tensor? off, Tensor uniforms, float temperature) "
         "-> (Tensor, Tensor)");
+  m.def("markov_topk(Tensor u, Tensor table, int prev, Tensor? off, int k) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> Tensor[]");
   m.def("rope_(Tensor(a!) qkv, Tensor cs, int num_heads) -> ()");
@@ -875,4 +938,5 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("attention_tokens", &attention_tokens);
   m.impl("markov_argmax", &markov_argmax);
   m.impl("markov_sample", &markov_sample);
+  m.impl("markov_topk", &markov_topk);
 }
