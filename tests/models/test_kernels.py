@@ -331,7 +331,6 @@ def test_markov_argmax_is_the_greedy_markov_loop(ops, dtype):
         ops.markov_argmax(u, table, torch.tensor([V + 1, 0, 0]), None)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_topk_ranks_a_nodes_children_as_log_softmax_and_topk(ops, dtype):
     """markov_topk == topk(log_softmax(u + table[prev]) with off ids at -inf): the same ids in
@@ -357,6 +356,7 @@ def test_markov_topk_ranks_a_nodes_children_as_log_softmax_and_topk(ops, dtype):
     assert ids.tolist() == [5, 30, 200]
     with pytest.raises(RuntimeError, match="outside the table"):
         ops.markov_topk(u, table, V + 1, None, 4)
+
 
 def test_markov_argmax_takes_torchs_choice_on_nan_inf_and_ties(ops):
     """The vectorised argmax (no off ids) picks what torch.argmax picks: the first NaN, the first
