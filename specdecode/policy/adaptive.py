@@ -17,16 +17,15 @@ what plain sampled decoding pays too (measured with the round costs), and its K 
 `sampled_k_max` where the drafter gives sampled rounds fewer drafts than greedy ones (an EAGLE-2
 tree drafts a chain of at most its depth at T > 0: E[tau] of K > depth would be a promise the
 round cannot keep). A request whose rounds draft nested trees (K = nodes, best first,
-`Proposal.nested`) reads E[tau](K)
-from its own per-node acceptance instead (`tree_tau`): a tree's nodes beyond its main chain are
-siblings, which the chain formula would price as deeper drafts, and a node's acceptance does not
-depend on the budget, so the rates of the first nodes measured in smaller trees hold in larger
-ones. When acceptance is poor
-it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
-recover when the text becomes predictable again. Where the measured costs say that even perfect
-acceptance would not pay, it never drafts. Decisions depend only on the request's
-own history and fixed constants, never on wall-clock timings, so a seeded run is reproducible
-and a request decodes the same alone or in a batch.
+`Proposal.nested`) reads E[tau](K) from its own per-node acceptance instead (`tree_tau`): a
+tree's nodes beyond its main chain are siblings, which the chain formula would price as deeper
+drafts, and a node's acceptance does not depend on the budget, so the rates of the first nodes
+measured in smaller trees hold in larger ones. When acceptance is poor it falls to K = 0
+(plain decoding) and probes with K = 1 now and then (backing off) so it can recover when the
+text becomes predictable again. Where the measured costs say that even perfect acceptance would
+not pay, it never drafts. Decisions depend only on the request's own history and fixed
+constants, never on wall-clock timings, so a seeded run is reproducible and a request decodes
+the same alone or in a batch.
 """
 
 from __future__ import annotations

@@ -116,7 +116,9 @@ def block_tree(
             logits = logits + correction(torch.tensor([tok], device=U.device))[0].to(U.dtype)
         lp = vocab.log_probs(logits)  # [Vd]
         top = lp.topk(min(topk, lp.shape[-1]))
-        got = per_depth[depth] = top.values.tolist(), top.indices.tolist()
+        got = top.values.tolist(), top.indices.tolist()
+        if correction is None:
+            per_depth[depth] = got
         return got
 
     def push_children(node: int, depth: int, tok: int, score: float) -> None:
