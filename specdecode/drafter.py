@@ -68,9 +68,6 @@ class Proposal:
     # children; with draft_probs, row k holds the q node k was drawn from (q at its parent).
     parents: torch.Tensor | None = None  # [B, K] long
     tree_iid: bool = False  # True: siblings drawn i.i.d. from q; False: chosen deterministically
-    # True: the nodes come best first and a budget of k would have given the first k of them, so
-    # a node is accepted or not whatever the budget (the adaptive policy sizes such trees per node).
-    nested: bool = False
     extras: dict = field(default_factory=dict)  # drafter-private data carried to advance()
     # Seconds of propose() spent catching up on committed context (work any later round would
     # do too), which online cost models leave out of the round's own cost.

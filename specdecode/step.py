@@ -96,7 +96,7 @@ def speculate(
     context = max(len(r.token_ids) for r in batch)
     draft_s = max(t1 - t0 - proposal.catch_up_s, 0.0)
     policy.observe_step(len(batch), verified.max_k + 1, context, proposal.max_k, draft_s, t_adv - t1)
-    record(batch, verdicts, policy, stats, nested_tree=proposal.parents is not None and proposal.nested)
+    record(batch, verdicts, policy, stats)
     stats.num_rows, stats.block = len(batch), verified.max_k + 1
     stats.draft_s, stats.verify_s = t1 - t0, t2 - t1
     return verdicts, rider_outs
@@ -194,20 +194,13 @@ def isolate_failures(batch: list[RunningRequest], proposal: Proposal, logits: to
 
 
 def record(
-    batch: list[RunningRequest],
-    verdicts: list[Verdict],
-    policy: DraftPolicy,
-    stats: StepStats,
-    nested_tree: bool = False,
+    batch: list[RunningRequest], verdicts: list[Verdict], policy: DraftPolicy, stats: StepStats
 ) -> None:
     """Per-request and per-step statistics, and the policy's observations (a chain's depth is
-    its length; a tree's, its deepest path; a nested tree's accepted nodes go to `observe_tree`)."""
+    its length; a tree's, its deepest path)."""
     for r, v in zip(batch, verdicts, strict=True):
         n, n_acc = v.depth, v.num_accepted
-        if nested_tree:
-            policy.observe_tree(r.policy_state, v.num_draft, n, v.accepted_nodes)
-        else:
-            policy.observe(r.policy_state, n, n_acc)
+        policy.observe(r.policy_state, n, n_acc)
         stats.num_draft += v.num_draft
         stats.num_accepted += n_acc
         stats.num_emitted += n_acc + 1

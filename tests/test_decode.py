@@ -275,43 +275,6 @@ def test_tree_proposals_are_exact_and_accept_along_the_tree(tiny):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-class _TreeRecorder(FixedK):
-    """FixedK that keeps what the loop reports: tree rounds and chain rounds apart."""
-
-    def __init__(self, k):
-        super().__init__(k)
-        self.trees, self.chains = [], []
-
-    def observe(self, state, num_draft, num_accepted):
-        self.chains.append((num_draft, num_accepted))
-
-    def observe_tree(self, state, num_nodes, depth, accepted_nodes):
-        self.trees.append((num_nodes, depth, list(accepted_nodes)))
-
-
-class _NestedSiblingTree(SiblingTreeDrafter):
-    """SiblingTreeDrafter whose proposals say their trees are nested (`Proposal.nested`)."""
-
-    def propose(self, batch, num_draft):
-        return dataclasses.replace(super().propose(batch, num_draft), nested=True)
-
-
-def test_nested_tree_rounds_report_their_accepted_nodes_to_the_policy(tiny):
-    v, rows = tiny.vocab_size, tiny.model.info.vocab_size
-    pol = _TreeRecorder(3)
-    _decode(tiny, _NestedSiblingTree(tiny.model, v, rows), 3, _prompts(tiny.tokenizer), policy=pol)
-    assert pol.trees and not pol.chains
-    # The drafter itself is the target: every chain node (odd index) accepted, no sibling.
-    assert all(nodes == list(range(1, n, 2)) and depth == n // 2 for n, depth, nodes in pol.trees)
-    assert any(n == 6 for n, _, _ in pol.trees)
-    # Other trees and chains go to observe, as chains of their depth.
-    for drafter in (SiblingTreeDrafter(tiny.model, v, rows), DraftModelDrafter(tiny.model, v, rows)):
-        pol = _TreeRecorder(3)
-        _decode(tiny, drafter, 3, _prompts(tiny.tokenizer), policy=pol)
-        assert pol.chains and not pol.trees
-        assert max(n for n, _ in pol.chains) == 3
-
-
 class _PoisonSlot:
     """The target with non-finite logits for one cache slot from its `after`-th step on."""
 

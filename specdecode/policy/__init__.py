@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from specdecode.errors import SpecDecodeError
 from specdecode.policy.adaptive import AdaptiveK
-from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau, tree_tau
+from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 from specdecode.policy.costs import StepCostModel
 from specdecode.policy.fixed import FixedK
 from specdecode.policy.profile import (
@@ -35,7 +35,6 @@ __all__ = [
     "batch_step_costs",
     "draft_round_costs",
     "expected_tau",
-    "tree_tau",
     "make_policy",
     "measure_step_cost_curves",
     "measure_step_costs",

@@ -16,16 +16,12 @@ what drafting q and verifying by rejection cost beyond a greedy step with the sa
 what plain sampled decoding pays too (measured with the round costs), and its K is bounded by
 `sampled_k_max` where the drafter gives sampled rounds fewer drafts than greedy ones (an EAGLE-2
 tree drafts a chain of at most its depth at T > 0: E[tau] of K > depth would be a promise the
-round cannot keep). A request whose rounds draft nested trees (K = nodes, best first,
-`Proposal.nested`) reads E[tau](K) from its own per-node acceptance instead (`tree_tau`): a
-tree's nodes beyond its main chain are siblings, which the chain formula would price as deeper
-drafts, and a node's acceptance does not depend on the budget, so the rates of the first nodes
-measured in smaller trees hold in larger ones. When acceptance is poor it falls to K = 0
-(plain decoding) and probes with K = 1 now and then (backing off) so it can recover when the
-text becomes predictable again. Where the measured costs say that even perfect acceptance would
-not pay, it never drafts. Decisions depend only on the request's own history and fixed
-constants, never on wall-clock timings, so a seeded run is reproducible and a request decodes
-the same alone or in a batch.
+round cannot keep). When acceptance is poor
+it falls to K = 0 (plain decoding) and probes with K = 1 now and then (backing off) so it can
+recover when the text becomes predictable again. Where the measured costs say that even perfect
+acceptance would not pay, it never drafts. Decisions depend only on the request's
+own history and fixed constants, never on wall-clock timings, so a seeded run is reproducible
+and a request decodes the same alone or in a batch.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdecode.errors import SpecDecodeError
-from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau, tree_tau
+from specdecode.policy.base import DraftPolicy, PolicyState, expected_tau
 from specdecode.policy.profile import interp
 
 CONTEXT_BUCKET = 64  # contexts are read in steps of this many tokens (a cache of verify curves)
@@ -42,7 +38,6 @@ CONTEXT_BUCKET = 64  # contexts are read in steps of this many tokens (a cache o
 class AdaptiveK(DraftPolicy):
     MIN_GAIN = 0.05  # drafting must promise at least a 5 % speed-up at perfect acceptance
     MARGIN = 0.05  # a round must promise 5 % over plain decoding at the estimated acceptance
-    RANK_DECAY = 0.97  # per tree round, of the per-node counts (rates of 0.05 need many rounds)
 
     def __init__(
         self,
@@ -132,17 +127,9 @@ class AdaptiveK(DraftPolicy):
             return verify[k] + self.draft_curve[k - 1] + extra
         return verify[k] + self.draft_fixed + k * self.draft_cost + extra
 
-    def best_k(
-        self, alpha: float, context: int | None = None, sampled: bool = False, tree: PolicyState | None = None
-    ) -> int:
-        """The K of the best expected speed-up at acceptance alpha (a chain), or from the per-node
-        counts of `tree` (a request whose rounds draft trees; alpha is then the first node's prior)."""
+    def best_k(self, alpha: float, context: int | None = None, sampled: bool = False) -> int:
         top = self.sampled_k_max if sampled else self.k_max
-        if tree is None:
-            taus = [expected_tau(alpha, k) for k in range(top + 1)]
-        else:
-            taus = [tree_tau(tree.rank_seen, tree.rank_hit, alpha, k) for k in range(top + 1)]
-        speedups = [taus[k] / self.round_cost(k, context, sampled) for k in range(top + 1)]
+        speedups = [expected_tau(alpha, k) / self.round_cost(k, context, sampled) for k in range(top + 1)]
         k = max(range(top + 1), key=lambda k: (speedups[k], -k))
         return k if speedups[k] >= 1.0 + self.MARGIN else 0
 
@@ -151,8 +138,7 @@ class AdaptiveK(DraftPolicy):
             return [0] * len(states)
         ks = []
         for st in states:
-            alpha = st.accepted / max(st.tried, 1e-6)
-            k = self.best_k(alpha, st.context_len or None, st.sampled, tree=st if st.tree else None)
+            k = self.best_k(st.accepted / max(st.tried, 1e-6), st.context_len or None, st.sampled)
             if k == 0 and self.k_max > 0:
                 # Probe with one draft now and then; each probe that does not lift the estimate
                 # doubles the interval (up to 64 steps), so a hopeless request costs ~nothing.
@@ -172,22 +158,3 @@ class AdaptiveK(DraftPolicy):
         tried = min(num_accepted + 1, num_draft)
         state.accepted = self.decay * state.accepted + num_accepted
         state.tried = self.decay * state.tried + tried
-        state.tree = False
-
-    def observe_tree(self, state: PolicyState, num_nodes: int, depth: int, accepted_nodes) -> None:
-        """A tree round: the chain statistics of its depth, and per node (best first) whether the
-        round drafted it and whether the accepted path ran through it (counts decayed per round)."""
-        if num_nodes <= 0:
-            return
-        self.observe(state, depth, len(accepted_nodes))
-        on_path, d = set(accepted_nodes), self.RANK_DECAY
-        while len(state.rank_seen) < num_nodes:
-            state.rank_seen.append(0.0)
-            state.rank_hit.append(0.0)
-        # Every node's counts fade, drafted this round or not: a node left out of smaller trees
-        # drifts back to the estimate of the node before it, which rounds keep measuring.
-        for i in range(len(state.rank_seen)):
-            drafted = i < num_nodes
-            state.rank_seen[i] = d * state.rank_seen[i] + float(drafted)
-            state.rank_hit[i] = d * state.rank_hit[i] + float(drafted and i in on_path)
-        state.tree = True

@@ -8,18 +8,12 @@ Contract:
   `bounds(states)` before drafting (default: `choose`), and the loop lets the policy shorten the
   drafted chains with `truncate(states, confidences, num_draft)` (default: keep them). A
   truncation may read only values known before each draft token was drawn, so it stays lossless.
-- A nested tree's round (`Proposal.nested`: nodes best first, a budget of k gives the first k)
-  is reported by `observe_tree(state, num_nodes, depth, accepted_nodes)` (the indices of the
-  drafted nodes on the accepted path); the default hands the depth and the number accepted to
-  `observe`, as a chain of that depth, which is how every other tree is reported.
 - `observe_step(rows, block, context, drafted, draft_s, verify_s)` reports each step's measured
   times (default: ignored; the scheduled policies learn their costs from it).
 - `PolicyState` is the per-request record a policy keeps (owned by the request). Before each
   `choose` the loop sets `context_len` (tokens in the request) and `room` (drafts the request can
   still use), which batch-level policies read; `sampled` (T > 0) is set once, at admission.
-- `expected_tau(alpha, k)`: expected tokens per step with k drafts and i.i.d. acceptance alpha;
-  `tree_tau(seen, hit, prior, k)`: expected tokens per step from a tree's first k nodes, from
-  per-rank counts.
+- `expected_tau(alpha, k)`: expected tokens per step with k drafts and i.i.d. acceptance alpha.
 """
 
 from __future__ import annotations
@@ -46,11 +40,6 @@ class PolicyState:
     pos_accepted: list[float] = field(default_factory=list)
     # Drafters with confidences: decayed mean of the reported prefix survival per position.
     conf_survival: list[float | None] = field(default_factory=list)
-    # Tree rounds (index i = the drafter's i-th best node): decayed counts of rounds that drafted
-    # the node and of those whose accepted path ran through it; `tree`: the last round was a tree.
-    rank_seen: list[float] = field(default_factory=list)
-    rank_hit: list[float] = field(default_factory=list)
-    tree: bool = False
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -58,23 +47,6 @@ def expected_tau(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def tree_tau(seen: Sequence[float], hit: Sequence[float], prior: float, k: int, weight: float = 2.0) -> float:
-    """Expected tokens per step from a tree's first k nodes (best first): 1 + sum_{i<k} r_i.
-
-    r_i, the rate at which the i-th node lay on the accepted path, is hit[i] / seen[i] shrunk
-    towards r_{i-1} (r_{-1} = prior) by `weight` pseudo-counts. Whether a node is accepted
-    depends only on its own path, so r_i is the same in every tree that holds node i, whatever
-    the budget; a node never drafted reads as well as the one before it (a request tries a
-    larger tree once, then keeps it only if it pays)."""
-    tau, r = 1.0, prior
-    for i in range(k):
-        s = seen[i] if i < len(seen) else 0.0
-        h = hit[i] if i < len(hit) else 0.0
-        r = (h + weight * r) / (s + weight)
-        tau += r
-    return tau
 
 
 class DraftPolicy:
@@ -96,12 +68,6 @@ class DraftPolicy:
 
     def observe(self, state: PolicyState, num_draft: int, num_accepted: int) -> None:
         pass
-
-    def observe_tree(
-        self, state: PolicyState, num_nodes: int, depth: int, accepted_nodes: Sequence[int]
-    ) -> None:
-        """A tree round's outcome (default: a chain of the tree's depth, as `observe` takes it)."""
-        self.observe(state, depth, len(accepted_nodes))
 
     def observe_step(
         self, rows: int, block: int, context: int, drafted: int, draft_s: float, verify_s: float

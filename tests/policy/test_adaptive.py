@@ -1,7 +1,7 @@
 import pytest
 
 from specdecode.errors import SpecDecodeError
-from specdecode.policy import AdaptiveK, FixedK, PolicyState, expected_tau, make_policy, tree_tau
+from specdecode.policy import AdaptiveK, FixedK, PolicyState, expected_tau, make_policy
 
 
 def test_expected_tau_limits():
@@ -152,49 +152,3 @@ def test_a_noisy_longer_context_never_extrapolates_to_a_cheaper_step():
     assert pol.verify_curves[2048] == [14.0, 17.0, 18.0]
     far = pol.verify_at(8192)  # t(1) held at 14 ms, t(3) growing 1 ms per 1,024 tokens
     assert far[2] == pytest.approx((18.0 + 6) / 14.0) and 1.0 <= far[1] <= far[2]
-
-
-def test_tree_tau_reads_per_node_rates_shrunk_towards_the_node_before():
-    assert tree_tau([], [], 0.5, 0) == 1.0
-    assert tree_tau([], [], 0.5, 3) == pytest.approx(2.5)  # no data: every node at the prior
-    # node 0 always accepted, node 1 never, node 2 never drafted (reads as node 1)
-    seen, hit = [100.0, 100.0], [100.0, 0.0]
-    r0 = (100 + 2 * 0.5) / 102
-    r1 = (0 + 2 * r0) / 102
-    assert tree_tau(seen, hit, 0.5, 1) == pytest.approx(1 + r0)
-    assert tree_tau(seen, hit, 0.5, 3) == pytest.approx(1 + r0 + 2 * r1)
-    assert tree_tau(seen, hit, 0.5, 2, weight=0.0) == pytest.approx(2.0)
-
-
-def _tree_rounds(pol, st, n, num_nodes, accepted):
-    for _ in range(n):
-        pol.observe_tree(st, num_nodes, len(accepted), accepted)
-
-
-def test_a_tree_request_is_sized_by_its_nodes_not_by_a_chain_of_that_depth():
-    # Every round accepts the best node and then the fifth (a sibling's child), never 1-3 or 6+.
-    verify = [1.0 + 0.05 * k for k in range(9)]
-    pol = AdaptiveK(k_max=8, verify_cost=verify)
-    st = PolicyState()
-    _tree_rounds(pol, st, 60, 8, [0, 4])
-    assert st.tree
-    assert pol.choose([st]) == [5]  # nodes 0-4: tau 3 at 1.25 steps
-    # The same rounds read as chains (depth 2, both accepted) price K as deeper drafts.
-    chain = PolicyState()
-    for _ in range(60):
-        pol.observe(chain, 2, 2)
-    assert not chain.tree and pol.choose([chain]) == [8]
-    # A chain round after tree rounds turns the chain model back on.
-    pol.observe(st, 2, 1)
-    assert not st.tree
-
-
-def test_a_node_left_out_of_smaller_trees_drifts_back_to_the_node_before():
-    pol = AdaptiveK(k_max=8, verify_cost=[1.0 + 0.02 * k for k in range(9)])
-    st = PolicyState()
-    _tree_rounds(pol, st, 40, 8, [0])  # nodes 1-7 never accepted
-    before = tree_tau(st.rank_seen, st.rank_hit, 0.5, 8) - tree_tau(st.rank_seen, st.rank_hit, 0.5, 1)
-    _tree_rounds(pol, st, 150, 1, [0])  # only node 0 drafted from now on
-    after = tree_tau(st.rank_seen, st.rank_hit, 0.5, 8) - tree_tau(st.rank_seen, st.rank_hit, 0.5, 1)
-    assert before < 0.1 and after > 3.0  # nodes 1-7 read as well as node 0 again
-    assert st.rank_seen[0] > 10 * st.rank_seen[1]

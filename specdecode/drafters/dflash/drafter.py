@@ -353,7 +353,7 @@ class DFlashDrafter(Drafter):
             draft_ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             parents[b, : len(toks)] = torch.tensor(pars, dtype=torch.long)
             num[b] = len(toks)
-        return Proposal(draft_ids, num, parents=parents, tree_iid=False, nested=True, catch_up_s=catch_up_s)
+        return Proposal(draft_ids, num, parents=parents, tree_iid=False, catch_up_s=catch_up_s)
 
     # ---- advance --------------------------------------------------------------------------
     def advance(self, batch: list[DraftRow], proposal: Proposal, verdicts: list[Verdict], target_out) -> None:
