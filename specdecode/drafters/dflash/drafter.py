@@ -338,10 +338,11 @@ class DFlashDrafter(Drafter):
         draft_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, K]
         parents = torch.full((len(batch), width), -1, dtype=torch.long)  # [B, K]
         num = torch.zeros(len(batch), dtype=torch.long)
+        children = self._children_op(U)
         for i, b in enumerate(idx):
             budget, prev = num_draft[b], self._anchor_draft_id(batch[b].token_ids[-1])
             ids, pars, scores, depths = block_tree(
-                U[i], self._correction, self.vocab, prev, budget, self.tree.topk, self._children_op(U)
+                U[i], self._correction, self.vocab, prev, budget, self.tree.topk, children
             )
             toks = self.vocab.to_target(torch.tensor(ids, dtype=torch.long)).tolist()
             if self.tree.lookup:  # prompt lookup's branch joins by its score

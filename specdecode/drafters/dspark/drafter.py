@@ -83,11 +83,10 @@ class DSparkDrafter(DFlashDrafter):
         return self.net.W2(self.net.W1(prev))
 
     def _children_op(self, U: torch.Tensor):
-        """block_tree's `children` through `kernels`' markov_topk (the Markov table on the CPU,
-        fp32 logits), else None."""
-        ops = kernels.fused()
-        op = getattr(ops, "markov_topk", None) if ops is not None and self.markov is not None else None
-        if op is None or U.device.type != "cpu" or U.dtype != torch.float32:
+        """block_tree's `children` through `kernels`' markov_topk where it applies (`_markov_op`),
+        else None."""
+        op = self._markov_op(U, "markov_topk")
+        if op is None:
             return None
         table, off = self.markov, self.vocab.off
 
@@ -100,13 +99,17 @@ class DSparkDrafter(DFlashDrafter):
     def _anchor_draft_id(self, token: int) -> int:
         return int(self.t2d[token])
 
+    def _markov_op(self, U: torch.Tensor, name: str):
+        """`kernels`' Markov op `name` where it applies (the extension built, the Markov table held,
+        U fp32 on the CPU), else None."""
+        ops = kernels.fused()
+        cpu_f32 = U.device.type == "cpu" and U.dtype == torch.float32
+        return getattr(ops, name, None) if ops is not None and self.markov is not None and cpu_f32 else None
+
     def _chain_op(self, U: torch.Tensor, sampled: bool = False):
         """The compiled Markov pass when it applies, else None: greedy (`kernels`' markov_argmax)
         or sampled at a plain temperature (markov_sample)."""
-        ops = kernels.fused()
-        cpu_f32 = U.device.type == "cpu" and U.dtype == torch.float32
-        name = "markov_sample" if sampled else "markov_argmax"
-        return getattr(ops, name, None) if ops is not None and self.markov is not None and cpu_f32 else None
+        return self._markov_op(U, "markov_sample" if sampled else "markov_argmax")
 
     def _draft(self, batch, idx, states, num):
         net, K, n = self.net, max(num), len(idx)
