@@ -27,6 +27,8 @@ Contract:
   learned drafter trains with (masked KL to the target's distribution `shift` rows ahead), on
   the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
   computed once per step for all the shifts that read it.
+- `signed_rope_table(positions, head_dim, theta)` -> `[*positions.shape, 2, D]`: `signed_rope` of
+  `rope_table`'s rows, read from one cached table (a round reads rows instead of ~6 small ops).
 - `whole_layer_args(attn, mlp, post_norm, rows)`: a drafter layer's products for `kernels`'
   decode_layer (one call a layer at inference; None where its products are not our kernels);
   `signed_rope(cos, sin)` the RoPE table that call reads; `layer_call(...)` that call for one
@@ -251,6 +253,20 @@ def signed_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     negated): the table our fused RoPE kernel reads (x * cos + roll(x, D/2) * signed sin)."""
     half = sin.shape[-1] // 2
     return torch.stack([cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)], dim=-2)
+
+
+_SIGNED_ROPE: dict[tuple, torch.Tensor] = {}  # (D, theta, device) -> [P, 2, D]
+
+
+def signed_rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """`signed_rope(*rope_table(positions, head_dim, theta))`, rows of one cached table."""
+    key = (head_dim, float(theta), positions.device)
+    table = _SIGNED_ROPE.get(key)
+    need = int(positions.max()) + 1 if positions.numel() else 0
+    if table is None or table.shape[0] < need:
+        rope_table(positions, head_dim, theta)  # grows the cos/sin table to cover `positions`
+        table = _SIGNED_ROPE[key] = signed_rope(*_ROPE[key])  # [P, 2, D]
+    return table[positions]
 
 
 def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, rows: int) -> tuple | None:

@@ -12,6 +12,8 @@ from specdecode.drafters.layers import (
     SwiGLU,
     rope_table,
     shifted_kl,
+    signed_rope,
+    signed_rope_table,
     use_formats,
 )
 from specdecode.models.formats import BUCKETS, FormatPlan, forced_plan
@@ -105,3 +107,12 @@ def test_planned_linear_runs_each_row_count_in_its_bucket_kernel():
     one = x[:1].bfloat16() @ lin.weight.bfloat16().t()
     assert torch.equal(planned(x[:1]), one.float())
     assert torch.equal(planned(x), x @ lin.weight.t())
+
+
+def test_signed_rope_table_reads_the_rows_signed_rope_gives():
+    """The cached signed table gives signed_rope(rope_table(.)) for any positions, also past the
+    end of the table first built (it grows), and keeps the positions' shape."""
+    for positions in (torch.tensor([0, 1, 7]), torch.arange(3)[None] + torch.tensor([[5], [9000]])):
+        got = signed_rope_table(positions, 8, 10000.0)
+        assert got.shape == (*positions.shape, 2, 8)
+        assert torch.equal(got, signed_rope(*rope_table(positions, 8, 10000.0)))

@@ -342,6 +342,34 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_dflash_context_rows_in_one_product_equal_the_modules(kernel_target, trained, qk_norm):
+    """A DFlash / DSpark catch-up with our kernels: every layer's context keys and values from
+    one product, the per-head key norms and RoPE by the kernels, are what the network's modules
+    give (`DFlash.context_kv`), at the rows' own positions."""
+    import dataclasses
+
+    from specdecode.drafters.dflash import DFlash, DFlashDrafter
+    from specdecode.drafters.layers import cpu_plan, use_formats
+
+    cfg = dataclasses.replace(_drafter("dflash", trained, kernel_target).net.cfg, qk_norm=qk_norm)
+    torch.manual_seed(0)
+    net = DFlash(cfg).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.5)
+    drafter = DFlashDrafter(use_formats(net, cpu_plan(kernel_target)), kernel_target)
+    assert drafter._kv_product() is not None  # the one-product path serves this drafter
+    ctx = torch.randn(5, cfg.hidden_size)  # [N, d]
+    rows = torch.tensor([3, 4, 5, 6, 40])  # [N] positions (not consecutive, not from 0)
+    fast = drafter._context_kv(ctx, rows)
+    modules = net.context_kv(ctx[None], rows[None])
+    assert len(fast) == len(modules) == cfg.num_layers
+    for (k, v), (k_ref, v_ref) in zip(fast, modules, strict=True):
+        torch.testing.assert_close(k, k_ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_ref[0], rtol=1e-5, atol=1e-5)
+
+
 def test_mtp_rows_in_one_call_equal_the_modules(kernel_target, trained, monkeypatch):
     """An MTP module over N rows as one decode_layer call computes the Python modules' states
     (causal over the new rows: a row never sees a later one), for N = 1 and N = 5."""

@@ -55,11 +55,11 @@ from specdecode.drafters.layers import (
     PlannedLinear,
     cpu_plan,
     layer_call,
-    rope_table,
-    signed_rope,
+    signed_rope_table,
     whole_layer_args,
 )
 from specdecode.drafters.ngram import lookup_prefix
+from specdecode.models import formats, kernels
 from specdecode.models.kv_cache import KVCache
 from specdecode.sampling import sample
 from specdecode.tree import join_by_score
@@ -157,7 +157,10 @@ class DFlashDrafter(Drafter):
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
         plan = cpu_plan(target)  # the head rows in the target's measured formats
-        self.head = PlannedLinear(self.head_w, None, plan) if plan and self.device.type == "cpu" else None
+        self._plan = plan if plan and self.device.type == "cpu" else None
+        self.head = PlannedLinear(self.head_w, None, plan) if self._plan else None
+        self._kv_all = None  # every layer's context key/value product (`_kv_product`), made once
+        self._mask = None  # the mask slots' vector (`_mask_vector`), made once
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
@@ -195,26 +198,59 @@ class DFlashDrafter(Drafter):
             return
         feats = [q[0] if len(q) == 1 else torch.cat(q) for q in (self._pending[s] for s in todo)]  # [n_s, 5d]
         self.cache.check_room(todo, [f.shape[0] for f in feats])
+        starts = [self.cache.lengths[s] for s in todo]
+        rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])  # [N]
+        ctx = self.net.fuse(feats[0] if len(feats) == 1 else torch.cat(feats))  # [N, d]
+        kv = self._context_kv(ctx, rows.to(self.device))  # per layer (k, v) [N, Hk, D]
         if len(todo) == 1:  # one slot's consecutive rows: written through views, no index tensors
-            s, n = todo[0], feats[0].shape[0]
-            r0 = self.cache.lengths[s]
-            rows = torch.arange(r0, r0 + n, device=self.device)  # [N]
-            for layer, (k, v) in enumerate(self.net.context_kv(self.net.fuse(feats[0][None]), rows[None])):
-                self.cache.k[layer][s, :, r0 : r0 + n] = k[0].transpose(0, 1)  # [Hk, N, D]
-                self.cache.v[layer][s, :, r0 : r0 + n] = v[0].transpose(0, 1)
+            s, r0, n = todo[0], starts[0], rows.shape[0]
+            for layer, (k, v) in enumerate(kv):
+                self.cache.k[layer][s, :, r0 : r0 + n] = k.transpose(0, 1)  # [Hk, N, D]
+                self.cache.v[layer][s, :, r0 : r0 + n] = v.transpose(0, 1)
         else:
             sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
-            rows = torch.cat(
-                [self.cache.lengths[s] + torch.arange(f.shape[0]) for s, f in zip(todo, feats, strict=True)]
-            )
-            ctx = self.net.fuse(torch.cat(feats)[None])  # [1, N, d]
             sl, rows = sl.to(self.device), rows.to(self.device)
-            for layer, (k, v) in enumerate(self.net.context_kv(ctx, rows[None])):
-                self.cache.k[layer][sl, :, rows] = k[0]  # [N, Hk, D]
-                self.cache.v[layer][sl, :, rows] = v[0]
+            for layer, (k, v) in enumerate(kv):
+                self.cache.k[layer][sl, :, rows] = k  # [N, Hk, D]
+                self.cache.v[layer][sl, :, rows] = v
         for s, f in zip(todo, feats, strict=True):
             self.cache.commit(s, f.shape[0])
             self._pending[s] = []
+
+    def _context_kv(self, ctx: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context features [N, d] at positions `rows` [N] -> per layer (k, v) [N, Hk, D]: the
+        network's `context_kv`; where `_kv_product` applies, every layer's keys and values from
+        one product, their per-head norms and RoPE by our kernels (same math, own rounding)."""
+        prod = self._kv_product()
+        if prod is None:
+            return [(k[0], v[0]) for k, v in self.net.context_kv(ctx[None], rows[None])]
+        c, ops = self.net.cfg, kernels.fused()
+        N, L, Hk, D = ctx.shape[0], c.num_layers, c.num_kv_heads, c.head_dim
+        w = Hk * D
+        kv = prod(ctx)  # [N, 2 L Hk D]: the keys of every layer, then their values
+        if c.qk_norm:  # each layer's per-head key norm before RoPE, in place
+            for i, layer in enumerate(self.net.layers):
+                k = kv[:, i * w : (i + 1) * w]
+                normed = ops.rms_norm(k.reshape(N * Hk, D), layer.attn.k_norm.weight, c.rms_norm_eps)
+                k.copy_(normed.view(N, w))
+        ops.rope_(kv, signed_rope_table(rows, D, c.rope_theta), L * Hk)  # the keys' heads only
+        return [
+            (kv[:, i * w : (i + 1) * w].view(N, Hk, D), kv[:, (L + i) * w : (L + i + 1) * w].view(N, Hk, D))
+            for i in range(L)
+        ]
+
+    def _kv_product(self):
+        """The product [N, d] -> [N, 2 L Hk D] (every layer's key rows, then its value rows) in the
+        target's CPU format plan, made once, where our kernels serve an fp32 drafter; else None."""
+        if self._kv_all is None:
+            ops = kernels.fused()
+            self._kv_all = False
+            ours = ops is not None and hasattr(ops, "rope_") and self.dtype == torch.float32
+            if ours and self._plan is not None:
+                attn = [layer.attn for layer in self.net.layers]
+                w = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn]).detach()
+                self._kv_all = formats.Linear(w, None, self._plan)
+        return self._kv_all or None
 
     @torch.no_grad()
     def _block_states(self, batch: list[DraftRow], idx: list[int]) -> torch.Tensor:
@@ -225,22 +261,29 @@ class DFlashDrafter(Drafter):
         if lens != anchor_pos:
             raise RuntimeError(f"dflash context cache out of step: {lens} != {anchor_pos}")
         T, L = max(lens), self.net.cfg.num_layers
+        anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
+        emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
+        pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
+        block = self.net.block_input(emb, self._mask_vector())[:, 0]  # [B', Bk, d]
+        if len(slots) == 1:
+            out = self._block_whole(slots[0], T, block, pos)
+            if out is not None:
+                return out
         # One request reads views of the cache (no copies); several, one gather per layer.
         sl = slice(slots[0], slots[0] + 1) if len(slots) == 1 else torch.tensor(slots, device=self.device)
         ctx_kv = [(self.cache.k[i][sl, :, :T], self.cache.v[i][sl, :, :T]) for i in range(L)]
         visible = None  # [B', T]: every request sees its own committed rows
         if min(lens) < T:
             visible = (torch.arange(T)[None] < torch.tensor(lens)[:, None]).to(self.device)
-        anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
-        emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
-        pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
-        mask = self.net.mask_vector(lambda ids: self.target.embed(ids.to(self.target.info.device)))
-        block = self.net.block_input(emb, mask.to(self.device, self.dtype))[:, 0]  # [B', Bk, d]
-        if len(slots) == 1:
-            out = self._block_whole(slots[0], T, block, pos)
-            if out is not None:
-                return out
         return self.net.draft_states(block, pos.to(self.device), ctx_kv, visible)
+
+    def _mask_vector(self) -> torch.Tensor:
+        """[d] what the mask slots read (`DFlash.mask_vector`, in the drafter's dtype), made once:
+        the network and the target's embedding are frozen at inference."""
+        if self._mask is None:
+            mask = self.net.mask_vector(lambda ids: self.target.embed(ids.to(self.target.info.device)))
+            self._mask = mask.detach().to(self.device, self.dtype)
+        return self._mask
 
     def _block_whole(self, slot: int, T: int, block: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
         """`draft_states` for one request as one `kernels`' decode_layer call a layer (same math,
@@ -258,7 +301,7 @@ class DFlashDrafter(Drafter):
         if None in args:
             return None
         c = net.cfg
-        cs = signed_rope(*rope_table(pos[0].to(self.device), c.head_dim, c.rope_theta))  # [Bk, 2, D]
+        cs = signed_rope_table(pos[0].to(self.device), c.head_dim, c.rope_theta)  # [Bk, 2, D]
         h = block[0]  # [Bk, d]
         for i, layer in enumerate(net.layers):
             k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]

@@ -49,6 +49,7 @@ from specdecode.drafters.layers import (
     layer_call,
     rope_table,
     signed_rope,
+    signed_rope_table,
     whole_layer_args,
 )
 from specdecode.drafters.ngram import lookup_prefix
@@ -228,7 +229,7 @@ class EagleDrafter(Drafter):
         (args, norms), head = chain
         net, c, ops = self.net, self.net.cfg, kernels.fused()
         positions = torch.arange(base + 1, base + k)[None]  # [1, K - 1] positions of drafts 0..K-2
-        cs = signed_rope(*rope_table(positions, c.head_dim, c.rope_theta))[0]  # [K - 1, 2, D]
+        cs = signed_rope_table(positions, c.head_dim, c.rope_theta)[0]  # [K - 1, 2, D]
         common = (
             state, k, *head, net.norm.weight, self.vocab.off, self.vocab.d2t, self.target.embed_tokens,
             net.input_norm.weight, net.hidden_norm.weight, *args, cs,
