@@ -57,16 +57,15 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles: 0-1 accumulators C[rows][16 fp32], 2-3 activations A[rows][32 bf16], 4-7 weights B.
-__attribute__((target("amx-tile,amx-bf16"))) void configure(int rows) {
+__attribute__((target("amx-tile,amx-bf16"))) void configure(int rows, int rows2 = 16) {
   TileConfig cfg;
-  for (int t = 0; t < 4; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = 64;
-  }
-  for (int t = 4; t < 8; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  for (int t : {0, 1, 2, 3}) cfg.rows[t] = static_cast<uint8_t>(rows);
+  // tile_pass2's second chunk: its activation tile 3 and accumulators 6, 7
+  if (rows2 < 16) cfg.rows[3] = cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(rows2);
   // gcc's _tile_loadconfig tells the compiler it reads 8 bytes only: without this barrier the
   // stores to the rest of cfg can be dropped (and ldtilecfg faults on garbage)
   asm volatile("" : : "r"(&cfg) : "memory");
@@ -113,9 +112,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const uint16_t* xa, 
   _tile_stored(1, out + TM * TN, 64);
 }
 
-// Rows [m0, m0 + 32) (two full chunks of 16) against the NB = 2 output blocks of group g, four
-// accumulators at once (configure(16)): each input block loads 2 activation tiles (2, 3) and 2
-// weight tiles (4, 5) for 4 multiplies, half the loads per multiply of tile_pass, and the
+// Rows [m0, m0 + 16 + r2) (a full chunk of 16, then one of r2 <= 16 rows: 17 verified rows cost
+// little more than 16) against the NB = 2 output blocks of group g, four accumulators at once
+// (configure(16, r2)): each input block loads 2 activation tiles (2, 3) and 2 weight tiles (4, 5)
+// for 4 multiplies, half the loads per multiply of tile_pass, and the
 // weights are read once for both chunks. Every accumulator adds the input blocks in the same
 // order as tile_pass, so each output element is bit for bit what tile_pass gives.
 // C into out[2 chunks][2 blocks][16][16].
@@ -172,23 +172,26 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t
     int configured = -1;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * NB;
-      // every chunk of rows against this group while its weights are still in L2: full chunks
-      // two at a time (tile_pass2), the rest one at a time
+      // every chunk of rows against this group while its weights are still in L2: chunks two
+      // at a time (tile_pass2; the second may be partial), a last lone chunk alone
       for (int64_t m0 = 0; m0 < M;) {
-        const bool pair = m0 + 2 * TM <= M;
+        const bool pair = m0 + TM < M;
         const int rows = static_cast<int>(std::min<int64_t>(TM, M - m0));
-        if (rows != configured) {
-          configure(rows);
-          configured = rows;
+        const int rows2 = pair ? static_cast<int>(std::min<int64_t>(TM, M - m0 - TM)) : 16;
+        const int key = rows * 32 + rows2;
+        if (key != configured) {
+          configure(rows, rows2);
+          configured = key;
         }
         if (pair)
           tile_pass2(xab + m0 * Kp, Kp, pp, kb_n, g, out);
         else
           tile_pass(xab + m0 * Kp, Kp, pp, kb_n, g, out);
         const int64_t chunks = pair ? 2 : 1;
-        for (int64_t c = 0; c < chunks; ++c, m0 += TM)
+        for (int64_t c = 0; c < chunks; ++c, m0 += TM) {
+          const int cr = c == 0 ? rows : rows2;
           for (int64_t j = 0; j < NB && (b + j) * TN < N; ++j)
-            for (int r = 0; r < rows; ++r) {
+            for (int r = 0; r < cr; ++r) {
               const float* src = out + (c * NB + j) * TM * TN + r * TN;
               float* dst = yp + (m0 + r) * N + (b + j) * TN;
               const int64_t cols = std::min<int64_t>(TN, N - (b + j) * TN);
@@ -197,6 +200,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t
               else
                 std::memcpy(dst, src, cols * sizeof(float));
             }
+        }
       }
     }
     if (configured >= 0) release();
