@@ -6,7 +6,8 @@ Contract:
   of context rows only (one entry per committed token whose target features are known, at its
   absolute position): `advance` queues the features of the verified block's kept rows (the
   anchor and the accepted drafts), the next `propose` fuses them and appends their per-layer
-  keys/values (one batched projection, no layer pass: context rows are injected, not run).
+  keys/values (one batched projection, no layer pass: context rows are injected, not run; with our
+  CPU kernels one product for every layer's keys and values, `_context_kv`).
 - `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k (MASK:
   the learned `mask_emb`, or the target's embedding of `mask_token_id` when the config sets one),
   attending to the context rows (all strictly before the anchor) and to the whole block; the
