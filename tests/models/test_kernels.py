@@ -281,9 +281,10 @@ def test_attention_tokens_reads_and_writes_token_major_rows_in_place(ops, B, N, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("R", "D"), [(3, 64), (24, 64), (7, 128), (13, 64), (6, 32)])
 def test_attention_value_pass_is_the_same_on_avx512_and_8_lanes(ops, dtype, R, D):
-    """The AVX-512 value pass (6 rows, 64 elements at a time) gives bit for bit the 8-lane one's
-    result: decode rows sharing a mask row, verify blocks (a shared prefix, then row by row),
-    gaps, slots read in place, head sizes it does not take (32: 8 lanes either way)."""
+    """The AVX-512 value pass (6 rows, 64 elements at a time) and scores (6 rows, two keys a
+    register) give bit for bit the 8-lane result: decode rows sharing a mask row, verify blocks
+    (a shared prefix, then row by row), gaps, slots read in place, head sizes the value pass
+    does not take (32: 8 lanes there)."""
     chosen = "AVX-512" in kernels.choices.get("attention", "")
     if not ops.attention_avx512(True):
         pytest.skip("no AVX-512F on this CPU")

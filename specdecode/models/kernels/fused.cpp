@@ -18,8 +18,9 @@
 //   attention_tokens(q [B, N, H, D], k, v, mask) -> [B, N, H, D]: attention with q and the
 //       output token-major (as the QKV product and the output product hold them), row
 //       g * N + n of KV head h being q[b, n, h * G + g]: no permuted copies either way
-//   attention_avx512(on) -> whether attention's value pass now runs on AVX-512 (on, where the
-//       CPU has AVX-512F) or on 8 lanes; the result is the same bit for bit either way.
+//   attention_avx512(on) -> whether attention's value pass (and its scores over the keys every
+//       row of a task sees) now run on AVX-512 (on, where the CPU has AVX-512F) or on 8 lanes;
+//       the result is the same bit for bit either way.
 //   markov_argmax(u [n, K, V] fp32, table [R, V] fp32|bf16, prev [n] int64, off [V] bool | None)
 //       -> [n, K] int64, a greedy chain: x_0 = prev, x_k = argmax_v u[:, k-1, v] + table[x_{k-1}, v]
 //       over the v not `off` (sums in fp32; the first of equal maxima, as torch.argmax)
@@ -258,6 +259,44 @@ __attribute__((target("avx512f"))) inline __m512 exp_shifted16(__m512 x, __m512 
   y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(t, t), t), _mm512_set1_ps(1.f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~masked), y, _mm512_castsi512_ps(e));
+}
+
+// score8_rows on AVX-512 for up to 6 rows (d a multiple of 8): keys t and t + 4 share a
+// register (lanes 0-7 and 8-15), each row's q broadcast to both halves, so a key's lanes run the
+// same fma chain as score8_rows' and the same reduce8 follows: out[g] is bit for bit its result,
+// for half the fmas. Called only when `attention_avx512` turned it on.
+template <typename T>
+__attribute__((target("avx512f"))) inline __m512 pair16(const T* a, const T* b) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))), _mm256_castps_pd(load8(b)), 1));
+}
+
+template <int RG, typename T>
+__attribute__((target("avx512f"))) void score8_rows512(const float* q, int64_t ld, const T* const* k, int64_t d,
+                                                       __m256* out) {
+  __m512 a[RG][4];
+  for (int g = 0; g < RG; ++g)
+    for (int t = 0; t < 4; ++t) a[g][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m512 v0 = pair16(k[0] + i, k[4] + i), v1 = pair16(k[1] + i, k[5] + i);
+    const __m512 v2 = pair16(k[2] + i, k[6] + i), v3 = pair16(k[3] + i, k[7] + i);
+    for (int g = 0; g < RG; ++g) {
+      const __m256d q8 = _mm256_castps_pd(_mm256_loadu_ps(q + g * ld + i));
+      const __m512 qv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(q8), q8, 1));
+      a[g][0] = _mm512_fmadd_ps(qv, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(qv, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(qv, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(qv, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    __m256 acc[8];
+    for (int t = 0; t < 4; ++t) {
+      acc[t] = _mm512_castps512_ps256(a[g][t]);
+      acc[t + 4] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[g][t]), 1));
+    }
+    out[g] = reduce8(acc);
+  }
 }
 
 // A score row's softmax numerators in place, exp(s - mx) over [0, n) (n a multiple of 8), and
@@ -500,6 +539,24 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
+        if (j0 + 8 <= open && D % 8 == 0 && g_avx512) {  // 6 rows at a time, the same scores
+          for (int64_t rg = 0; rg < rn; rg += 6) {
+            __m256 sc[6];
+            const float* qg = qs.data() + rg * D;
+            const int64_t gn = std::min<int64_t>(6, rn - rg);
+            switch (gn) {
+              case 6: score8_rows512<6, T>(qg, D, keys, D, sc); break;
+              case 5: score8_rows512<5, T>(qg, D, keys, D, sc); break;
+              case 4: score8_rows512<4, T>(qg, D, keys, D, sc); break;
+              case 3: score8_rows512<3, T>(qg, D, keys, D, sc); break;
+              case 2: score8_rows512<2, T>(qg, D, keys, D, sc); break;
+              default: score8_rows512<1, T>(qg, D, keys, D, sc);
+            }
+            for (int64_t g = 0; g < gn; ++g) _mm256_storeu_ps(s.data() + (rg + g) * Lp + j0, sc[g]);
+          }
+          last = j0 + 7;
+          continue;
+        }
         if (j0 + 8 <= open && D % 8 == 0) {  // the general path below gives the same scores
           for (int64_t rg = 0; rg < rn; rg += 3) {
             __m256 sc[3];
