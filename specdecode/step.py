@@ -36,7 +36,7 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.policy import DraftPolicy
 from specdecode.request import RunningRequest
 from specdecode.sampling import finite_rows
-from specdecode.tree import tree_attention_mask, tree_depths
+from specdecode.tree import tree_rows
 from specdecode.verify import Verdict, verify_step
 
 log = logging.getLogger("specdecode.step")
@@ -151,8 +151,9 @@ def verify_forward(
         for b in range(len(batch)):
             n = int(num_draft[b])
             par = proposal.parents[b, :n].cpu()
-            tree_mask[b, : n + 1, : n + 1] = tree_attention_mask(par)
-            positions[b, : n + 1] += tree_depths(par)
+            mask, depths = tree_rows(par)  # [n + 1, n + 1], [n + 1]
+            tree_mask[b, : n + 1, : n + 1] = mask
+            positions[b, : n + 1] += depths
     ragged = bool((num_draft != k).any())
     main = Segment(
         input_ids.to(dev),

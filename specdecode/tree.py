@@ -8,7 +8,8 @@ siblings in index order (put the most likely first). A chain of K drafts is the 
 `chain_parents(K) = [-1, 0, 1, ..., K-2]`.
 
 Position of block row r = committed length + depth[r]; row r attends to the committed context
-plus the rows `tree_attention_mask(parents)[r]` marks (itself and its ancestors).
+plus the rows `tree_attention_mask(parents)[r]` marks (itself and its ancestors); `tree_rows`
+gives the mask and the depths together.
 `TokenTree(budget)` builds such a tree of token ids node by node (shared prefixes stored once),
 as the drafters that merge several candidate continuations do; `join_by_score` merges a scored
 tree (a learned drafter's) and a chain (prompt lookup's continuation) best first into one.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -85,28 +87,29 @@ def chain_parents(num_nodes: int, device: torch.device | str | None = None) -> t
     return torch.arange(-1, num_nodes - 1, dtype=torch.long, device=device)
 
 
-def tree_attention_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:  # [N+1, N+1] bool
-    """mask[r, c] is True iff block row c is row r itself or one of its ancestors (root = row 0)."""
+def tree_rows(parents: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tree_attention_mask(parents) [N+1, N+1] bool, tree_depths(parents) [N+1] long) in one
+    pass over the (validated) parents: a node's row is its parent's row plus itself."""
     parents = _as_parents(parents)
     validate_parents(parents)
-    n_rows = parents.shape[0] + 1
-    dev = parents.device
-    up = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parents.long() + 1])  # [N+1] parent row
-    rows = torch.arange(n_rows, device=dev)
-    mask = torch.eye(n_rows, dtype=torch.bool, device=dev)
-    anc = up  # [N+1] current ancestor of each row; the root is its own parent
-    # Walk every row up one level per iteration (as many iterations as the tree is deep).
-    for _ in range(n_rows):
-        mask[rows, anc] = True
-        if bool((anc == 0).all()):
-            break
-        anc = up[anc]
-    return mask
+    par = parents.tolist()
+    n_rows = len(par) + 1
+    mask = np.eye(n_rows, dtype=bool)  # the root sees itself
+    depth = [0] * n_rows
+    for r, p in enumerate(par, start=1):  # block row r = node r - 1, its parent's row p + 1 < r
+        mask[r, :r] = mask[p + 1, :r]
+        depth[r] = depth[p + 1] + 1
+    return torch.from_numpy(mask).to(parents.device), torch.tensor(depth, device=parents.device)
+
+
+def tree_attention_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:  # [N+1, N+1] bool
+    """mask[r, c] is True iff block row c is row r itself or one of its ancestors (root = row 0)."""
+    return tree_rows(parents)[0]
 
 
 def tree_depths(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:  # [N+1] long
     """Depth of every block row: 0 for the root, 1 for its children, ..."""
-    return tree_attention_mask(parents).sum(dim=-1) - 1
+    return tree_rows(parents)[1]
 
 
 def children_lists(parents: torch.Tensor | Sequence[int]) -> list[list[int]]:
