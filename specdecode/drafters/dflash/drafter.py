@@ -201,8 +201,9 @@ class DFlashDrafter(Drafter):
         self.cache.check_room(todo, [f.shape[0] for f in feats])
         starts = [self.cache.lengths[s] for s in todo]
         rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])  # [N]
+        rows = rows.to(self.device)
         ctx = self.net.fuse(feats[0] if len(feats) == 1 else torch.cat(feats))  # [N, d]
-        kv = self._context_kv(ctx, rows.to(self.device))  # per layer (k, v) [N, Hk, D]
+        kv = self._context_kv(ctx, rows)  # per layer (k, v) [N, Hk, D]
         if len(todo) == 1:  # one slot's consecutive rows: written through views, no index tensors
             s, r0, n = todo[0], starts[0], rows.shape[0]
             for layer, (k, v) in enumerate(kv):
@@ -210,7 +211,7 @@ class DFlashDrafter(Drafter):
                 self.cache.v[layer][s, :, r0 : r0 + n] = v.transpose(0, 1)
         else:
             sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
-            sl, rows = sl.to(self.device), rows.to(self.device)
+            sl = sl.to(self.device)
             for layer, (k, v) in enumerate(kv):
                 self.cache.k[layer][sl, :, rows] = k  # [N, Hk, D]
                 self.cache.v[layer][sl, :, rows] = v

@@ -324,6 +324,27 @@ __attribute__((target("avx512f"))) float exp_sum512(float* sr, int64_t n, float 
 // AVX-512 (d a multiple of 64), else 3 at a time on 8 lanes; the same result either way.
 bool g_avx512 = false;  // set by `attention_avx512` (models.kernels decides by timing both)
 
+// Scores of gn query rows (q rows D apart) against 8 keys, D a multiple of 8: score8_rows (gn <= 3)
+// or, `wide`, its AVX-512 twin (gn <= 6); the same scores bit for bit either way.
+template <typename T>
+void score_rows(int gn, bool wide, const float* q, const T* const* keys, int64_t D, __m256* sc) {
+  if (wide) {
+    switch (gn) {
+      case 6: return score8_rows512<6, T>(q, D, keys, D, sc);
+      case 5: return score8_rows512<5, T>(q, D, keys, D, sc);
+      case 4: return score8_rows512<4, T>(q, D, keys, D, sc);
+      case 3: return score8_rows512<3, T>(q, D, keys, D, sc);
+      case 2: return score8_rows512<2, T>(q, D, keys, D, sc);
+      default: return score8_rows512<1, T>(q, D, keys, D, sc);
+    }
+  }
+  switch (gn) {
+    case 3: return score8_rows<3, T>(q, D, keys, D, sc);
+    case 2: return score8_rows<2, T>(q, D, keys, D, sc);
+    default: return score8_rows<1, T>(q, D, keys, D, sc);
+  }
+}
+
 template <typename T>
 void weighted_sum_all(const float* s, int64_t Lp, int64_t rn, int64_t n, const float* inv, const T* vv,
                       int64_t vl, int64_t D, float* o) {
@@ -539,35 +560,12 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         const uint64_t full = jn == 8 ? 0x0101010101010101ull : (1ull << (8 * jn)) / 255;
         const T* keys[8];
         for (int64_t t = 0; t < 8; ++t) keys[t] = t < jn ? kk + (j0 + t) * kl : zero_key.data();
-        if (j0 + 8 <= open && D % 8 == 0 && g_avx512) {  // 6 rows at a time, the same scores
-          for (int64_t rg = 0; rg < rn; rg += 6) {
-            __m256 sc[6];
-            const float* qg = qs.data() + rg * D;
-            const int64_t gn = std::min<int64_t>(6, rn - rg);
-            switch (gn) {
-              case 6: score8_rows512<6, T>(qg, D, keys, D, sc); break;
-              case 5: score8_rows512<5, T>(qg, D, keys, D, sc); break;
-              case 4: score8_rows512<4, T>(qg, D, keys, D, sc); break;
-              case 3: score8_rows512<3, T>(qg, D, keys, D, sc); break;
-              case 2: score8_rows512<2, T>(qg, D, keys, D, sc); break;
-              default: score8_rows512<1, T>(qg, D, keys, D, sc);
-            }
-            for (int64_t g = 0; g < gn; ++g) _mm256_storeu_ps(s.data() + (rg + g) * Lp + j0, sc[g]);
-          }
-          last = j0 + 7;
-          continue;
-        }
         if (j0 + 8 <= open && D % 8 == 0) {  // the general path below gives the same scores
-          for (int64_t rg = 0; rg < rn; rg += 3) {
-            __m256 sc[3];
-            const int gn = static_cast<int>(std::min<int64_t>(3, rn - rg));
-            const float* qg = qs.data() + rg * D;
-            if (gn == 3)
-              score8_rows<3, T>(qg, D, keys, D, sc);
-            else if (gn == 2)
-              score8_rows<2, T>(qg, D, keys, D, sc);
-            else
-              score8_rows<1, T>(qg, D, keys, D, sc);
+          const int64_t step = g_avx512 ? 6 : 3;
+          for (int64_t rg = 0; rg < rn; rg += step) {
+            __m256 sc[6];
+            const int gn = static_cast<int>(std::min<int64_t>(step, rn - rg));
+            score_rows<T>(gn, g_avx512, qs.data() + rg * D, keys, D, sc);
             for (int g = 0; g < gn; ++g) _mm256_storeu_ps(s.data() + (rg + g) * Lp + j0, sc[g]);
           }
           last = j0 + 7;
@@ -584,13 +582,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
           }
           __m256 sc[3];
           if (any && D % 8 == 0) {
-            const float* qg = qs.data() + rg * D;
-            if (gn == 3)
-              score8_rows<3, T>(qg, D, keys, D, sc);
-            else if (gn == 2)
-              score8_rows<2, T>(qg, D, keys, D, sc);
-            else
-              score8_rows<1, T>(qg, D, keys, D, sc);
+            score_rows<T>(gn, false, qs.data() + rg * D, keys, D, sc);
           } else if (any) {
             for (int g = 0; g < gn; ++g) sc[g] = score8(qs.data() + (rg + g) * D, keys, D);
           }
