@@ -66,7 +66,7 @@ class LoadOptions:
     kv_cache_dtype: str = "auto"
     device: str | None = None
     max_batch: int = 8
-    verify_mode: str = "rejection"
+    verify_mode: str = "block"
     max_model_len: int | None = None
     drafter_options: dict | None = None
 
@@ -94,9 +94,7 @@ def _is_single(prompt) -> bool:
 class SpecDecode:
     """A target + drafter pair ready to generate."""
 
-    def __init__(
-        self, target, drafter, policy, method: str, max_batch: int = 8, verify_mode: str = "rejection"
-    ):
+    def __init__(self, target, drafter, policy, method: str, max_batch: int = 8, verify_mode: str = "block"):
         self.target, self.drafter, self.method = target, drafter, method
         self.tokenizer = target.tokenizer
         self.decoder = SpeculativeDecoder(

@@ -29,9 +29,10 @@ Contract:
   `verify_mode="match"` are verified by sample-then-match against those uniforms, which for a
   point mass accepts with the same probability p(x) as rejection sampling: the output is then
   the target's own sample for that seed, whatever K, policy or batch. Stochastic drafts under
-  rejection sampling (and trees) use per-step uniforms from the request's generator, so the
-  request decodes the same in any batch given the same K each step; a load-dependent policy
-  (`scheduled`) keeps the distribution exact but may change which sample a seed gives.
+  block verification (the default) or token-wise rejection sampling (and trees) use per-step
+  uniforms from the request's generator, so the request decodes the same in any batch given the
+  same K each step; a load-dependent policy (`scheduled`) keeps the distribution exact but may
+  change which sample a seed gives.
 - Stop conditions (EOS, stop strings, max_new_tokens) are applied token by token inside an
   accepted block; tokens after the stop are dropped.
 - A failure inside one request ends that request, never the batch: a row whose target logits
@@ -71,7 +72,7 @@ log = logging.getLogger("specdecode.decode")
 
 PREFILL_CHUNK = 512
 MIN_SHARED_ROWS = 16  # shorter common prefixes are computed, not copied
-VERIFY_MODES = ("rejection", "match")
+VERIFY_MODES = ("block", "rejection", "match")
 
 
 class SpeculativeDecoder:
@@ -81,7 +82,7 @@ class SpeculativeDecoder:
         drafter: Drafter,
         policy: DraftPolicy | None = None,
         max_batch: int = 8,
-        verify_mode: str = "rejection",
+        verify_mode: str = "block",
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_budget: int | None = None,
         share_prefix: bool = True,

@@ -65,7 +65,7 @@ def speculate(
     drafter: Drafter,
     policy: DraftPolicy,
     vocab_size: int,
-    verify_mode: str = "rejection",
+    verify_mode: str = "block",
     stats: StepStats | None = None,
     riders: Sequence[Segment] = (),
 ) -> tuple[list[Verdict], list[ForwardOutput]]:

@@ -2,8 +2,10 @@
 
 Contract: `verify_step(proposal, logits, params, streams, positions, vocab_size, mode)` returns
 one `Verdict` per request (emitted ids, kept verify-block rows, drafts verified, depth), lossless
-in every branch: the rules are `verify_rules` (chain rejection sampling, sample-then-match,
-recursive rejection over trees; the uniform layout is described there), which this module feeds
+in every branch: the rules are `verify_rules` (chains of sampled drafts by block verification,
+mode "block", the default, or token-wise rejection, mode "rejection"; point-mass chains and mode
+"match" by sample-then-match; recursive rejection over trees; the uniform layout is described
+there), which this module feeds
 with the target's processed distributions and each request's randomness (`step_uniforms`: a
 request consumes the same randomness whatever its neighbours drafted). Greedy rows never build
 distributions (`verify_greedy`, `verify_tree_greedy`: the exact T = 0 limit, argmax only).
@@ -31,6 +33,7 @@ from specdecode.verify_rules import (
     TreeBatchVerdict,
     TreeVerdict,
     verify_chain,
+    verify_chain_block,
     verify_chain_match,
     verify_tree,
     verify_tree_batch,
@@ -47,6 +50,7 @@ __all__ = [
     "TreeVerdict",
     "TreeBatchVerdict",
     "verify_chain",
+    "verify_chain_block",
     "verify_chain_match",
     "verify_tree",
     "verify_tree_batch",
@@ -167,11 +171,12 @@ def verify_step(
     streams: Sequence[RandomStream],
     positions: Sequence[int],  # output position of each row's first emitted token
     vocab_size: int,
-    mode: str = "rejection",  # or "match": sample-then-match for chains
+    mode: str = "block",  # chains with q: "block" verification, token-wise "rejection", or "match"
 ) -> list[Verdict]:
-    """Verify one step's proposal for every row: greedy when every row is greedy, else chain
-    rejection sampling (sample-then-match for point-mass drafts or mode "match"), or recursive
-    rejection over a batch of trees. Lossless in every branch."""
+    """Verify one step's proposal for every row: greedy when every row is greedy, else a chain by
+    block verification (mode "block") or token-wise rejection sampling (mode "rejection"),
+    sample-then-match for point-mass drafts or mode "match", or recursive rejection over a batch
+    of trees. Lossless in every branch."""
     num_draft = proposal.num_draft.cpu()  # [B]
     nd = num_draft.tolist()
     k = proposal.max_k
@@ -196,6 +201,7 @@ def verify_step(
             got = native_tree(logits, tree_ids, parents, u, params, vocab_size)
             if got is not None:
                 return _tree_verdicts(parents, tree_ids, *got, nd)
+    block = mode == "block" and not keyed and tree_ids is None
     if tree_ids is None:  # a chain: our CPU kernel where it applies (verify_native)
         fast = native_rows(params, vocab_size, logits, proposal.draft_probs)
         if 0 < len(fast) < len(nd):  # a mixed batch: each part down its own path, in row order
@@ -203,7 +209,7 @@ def verify_step(
         u = step_uniforms(streams, positions, nd, k, "match" if keyed else "chain")
         q = None if keyed else proposal.draft_probs
         got = native_chain(
-            logits, proposal.draft_ids, num_draft, q, u, params, vocab_size, proposal.draft_vocab
+            logits, proposal.draft_ids, num_draft, q, u, params, vocab_size, proposal.draft_vocab, block
         )
         if got is not None:
             return _native_verdicts(proposal.draft_ids.cpu(), *got, nd)
@@ -222,7 +228,9 @@ def verify_step(
         ]
     u = u.to(dev)  # the chain's uniforms, drawn above
     draft_ids = proposal.draft_ids.to(dev)
-    if keyed:
+    if block:
+        v = verify_chain_block(draft_ids, q, target_probs, u, num_draft.to(dev))
+    elif keyed:
         v = verify_chain_match(draft_ids, target_probs, u, num_draft.to(dev))
     else:
         v = verify_chain(draft_ids, q, target_probs, u, num_draft.to(dev))

@@ -1,9 +1,10 @@
 """The verify step's chains and argmaxes on our CPU kernel (`models/kernels/verify.cpp`).
 
 Contract:
-- `native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None)` returns
-  (num_accepted [B], final_ids [B]) long on the CPU: the verdict `verify.verify_chain` (q given)
-  or `verify.verify_chain_match` (q None) would give, with every request greedy or sampling at a
+- `native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None,
+  block=False)` returns (num_accepted [B], final_ids [B]) long on the CPU: the verdict
+  `verify.verify_chain` (q given), `verify.verify_chain_block` (q given, block) or
+  `verify.verify_chain_match` (q None) would give, with every request greedy or sampling at a
   plain temperature, or None where the kernel does not apply (kernels absent or switched off,
   tensors not on the CPU, top-k / top-p in some request); the caller then takes the tensor path.
   The uniforms are laid out as `verify.step_uniforms` lays them out for that mode. q spans the
@@ -79,6 +80,7 @@ def native_chain(
     params: Sequence[SamplingParams],
     vocab_size: int,
     q_ids: torch.Tensor | None = None,  # [Vd] long: q's columns' target ids (None: q spans V)
+    block: bool = False,  # with q: block verification (verify_rules.verify_chain_block)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not all(_covered(p, vocab_size) for p in params):
         return None
@@ -95,6 +97,7 @@ def native_chain(
         temps,
         vocab_size,
         None if q is None or q_ids is None else q_ids.cpu().long(),
+        block and q is not None,
     )
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "TreeVerdict",
     "TreeBatchVerdict",
     "verify_chain",
+    "verify_chain_block",
     "verify_chain_match",
     "verify_tree",
     "verify_tree_batch",
@@ -156,6 +157,75 @@ def verify_chain(
     final_ids = sample(final_probs, uniforms[:, K])  # [B]
 
     # 3. Emitted = accepted drafts, then the recovered / bonus token, then -1 padding.
+    emitted = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
+    emitted[:, :K] = torch.where(pos[None, :K] < num_accepted[:, None], draft_ids, -1)
+    emitted.scatter_(1, num_accepted[:, None], final_ids[:, None])
+    return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
+
+
+def verify_chain_block(
+    draft_ids: torch.Tensor,  # [B, K] long (entries at k >= num_draft[b] are ignored)
+    draft_probs: torch.Tensor | None,  # [B, K, V] q_k the drafts were drawn from; None = point mass
+    target_probs: torch.Tensor,  # [B, K+1, V] p_k at block rows 0..K
+    uniforms: torch.Tensor,  # [B, K+1] in [0, 1)
+    num_draft: torch.Tensor | None = None,  # [B] long, drafts per row (ragged); None = all K
+) -> ChainVerdict:
+    """Block verification (Sun et al. 2024): the chain judged as a whole, never fewer accepted
+    drafts in expectation than `verify_chain`, the same output law.
+
+    With weights w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)) and residual masses
+    S_i = sum_x max(0, w_i p_i(x) - q_i(x)), draft i's stop probability is h_i = S_i / (S_i + 1 - w_i)
+    (0 where S_i = 0) and h_n = w_n for the last draft. A = the largest i with uniforms[:, i-1] <= h_i
+    (0 if none) drafts are kept; the final token is the bonus from p_n when A = n, else drawn
+    from norm(max(0, w_A p_A - q_A)). Token-wise rejection keeps a prefix only while every
+    draft passes on its own; here a later draft that p likes more than q can vouch for an earlier
+    one (w carries the surplus), so the first draft of a chain is kept more often.
+    """
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    _check_shapes(
+        "verify_chain_block",
+        target_probs=(target_probs.shape, (B, K + 1, V)),
+        uniforms=(uniforms.shape, (B, K + 1)),
+        draft_probs=(draft_probs.shape if draft_probs is not None else (B, K, V), (B, K, V)),
+    )
+    dev = draft_ids.device
+    rows = torch.arange(B, device=dev)
+    valid, num_draft = _draft_mask(num_draft, B, K, dev)
+    safe_ids = torch.where(valid, draft_ids, 0)  # [B, K]
+    p = target_probs.double()  # [B, K+1, V]
+    if draft_probs is None:
+        q = torch.zeros(B, K, V, dtype=p.dtype, device=dev).scatter_(-1, safe_ids[..., None], 1.0)
+    else:
+        q = draft_probs.to(p.dtype)  # [B, K, V]
+    p_x = p[:, :K].gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
+    q_x = q.gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
+
+    w = torch.ones(B, K + 1, dtype=p.dtype, device=dev)  # [B, K+1] w_i, i = 0..K
+    for i in range(1, K + 1):
+        px, qx = p_x[:, i - 1], q_x[:, i - 1]  # a draft q gives no mass passes any test: ratio "inf"
+        ratio = torch.where(qx > 0, px / qx.clamp_min(1e-300), (px > 0).to(p.dtype) * 1e300)
+        w[:, i] = (w[:, i - 1] * ratio).clamp(max=1.0)
+    # Residual masses S_i for i = 0..K-1 (q_i is the draft distribution at row i).
+    S = (w[:, :K, None] * p[:, :K] - q).clamp_min(0).sum(-1)  # [B, K]
+    denom = S + 1 - w[:, :K]
+    h = torch.where(S > 0, S / denom.clamp_min(1e-300), 0.0)  # [B, K] h_i, i = 0..K-1
+    h = torch.cat([h, torch.zeros(B, 1, dtype=p.dtype, device=dev)], 1)  # [B, K+1]
+    h[rows, num_draft] = w[rows, num_draft]  # the last draft: h_n = w_n
+    i_range = torch.arange(1, K + 1, device=dev)  # [K] draft i = 1..K
+    stops = (uniforms[:, :K].to(p.dtype) <= h[:, 1:]) & (i_range[None] <= num_draft[:, None])  # [B, K]
+    num_accepted = torch.where(stops, i_range[None], 0).amax(1) if K > 0 else num_draft * 0  # [B]
+
+    p_last = p[rows, num_accepted]  # [B, V]
+    final_probs = p_last
+    if K > 0:
+        k_last = num_accepted.clamp(max=K - 1)
+        w_last = w[rows, num_accepted][:, None]  # [B, 1]
+        residual = _normalised_or((w_last * p_last - q[rows, k_last]).clamp_min(0), p_last)
+        final_probs = torch.where((num_accepted < num_draft)[:, None], residual, p_last)
+    final_ids = sample(final_probs.to(target_probs.dtype), uniforms[:, K])  # [B]
+
+    pos = torch.arange(K + 1, device=dev)
     emitted = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
     emitted[:, :K] = torch.where(pos[None, :K] < num_accepted[:, None], draft_ids, -1)
     emitted.scatter_(1, num_accepted[:, None], final_ids[:, None])

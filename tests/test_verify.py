@@ -21,6 +21,7 @@ from specdecode.sampling import draw_uniforms, process_logits, sample
 from specdecode.tree import DraftTree, tree_depths, tree_from_paths
 from specdecode.verify import (
     verify_chain,
+    verify_chain_block,
     verify_chain_match,
     verify_step,
     verify_tree,
@@ -319,6 +320,19 @@ def _step_point(p, q, state, g):
     return v.emitted_ids, v.num_emitted
 
 
+def _step_block(p, q, state, g):
+    ids, qs, states = _draft_chain(q, state, g, greedy=False)
+    num_draft = torch.randint(0, K + 1, (TRIALS,), generator=g)  # ragged
+    v = verify_chain_block(ids, qs, p[states], torch.rand(TRIALS, K + 1, generator=g), num_draft)
+    return v.emitted_ids, v.num_emitted
+
+
+def _step_block_point(p, q, state, g):
+    ids, _, states = _draft_chain(q, state, g, greedy=True)
+    v = verify_chain_block(ids, None, p[states], torch.rand(TRIALS, K + 1, generator=g))
+    return v.emitted_ids, v.num_emitted
+
+
 def _step_match(p, q, state, g):
     ids, _, states = _draft_chain(q, state, g, greedy=False)
     v = verify_chain_match(ids, p[states], torch.rand(TRIALS, K + 1, generator=g))
@@ -356,15 +370,37 @@ def _step_chain_wrong(p, q, state, g):
     return emitted, v.num_emitted
 
 
+def _step_block_wrong(p, q, state, g):
+    """Bug: block verification's stop test reads w_i (the prefix's weight) in place of h_i."""
+    ids, qs, states = _draft_chain(q, state, g, greedy=False)
+    target = p[states]
+    u = torch.rand(TRIALS, K + 1, generator=g)
+    p_x = target[:, :K].gather(-1, ids[..., None]).squeeze(-1).double()
+    q_x = qs.gather(-1, ids[..., None]).squeeze(-1).double()
+    w = torch.cumprod((p_x / q_x).clamp(max=1.0), 1)  # a lower bound of w_i: the same stop rule's shape
+    stops = u[:, :K].double() <= w
+    num_accepted = torch.where(stops, torch.arange(1, K + 1), 0).amax(1)
+    v = verify_chain_block(ids, qs, target, u)
+    emitted = v.emitted_ids.clone()
+    rows = torch.arange(TRIALS)
+    emitted[:, :K] = torch.where(torch.arange(K)[None] < num_accepted[:, None], ids, -1)
+    emitted[:, K] = -1
+    emitted[rows, num_accepted] = sample(target[rows, num_accepted], u[:, K])
+    return emitted, num_accepted + 1
+
+
 MODES = {
     "chain": _step_chain,
     "chain-point-mass": _step_point,
+    "block": _step_block,
+    "block-point-mass": _step_block_point,
     "sample-then-match": _step_match,
     "tree-iid": lambda p, q, s, g: _step_tree(p, q, s, g, iid=True),
     "tree-topk": lambda p, q, s, g: _step_tree(p, q, s, g, iid=False),
 }
 WRONG = {
     "chain-recovered-from-p": _step_chain_wrong,
+    "block-stops-on-the-prefix-weight": _step_block_wrong,
     # iid rule applied to deterministic top-k children (SpecInfer's rule needs i.i.d. children)
     "tree-iid-rule-on-topk": lambda p, q, s, g: _step_tree(p, q, s, g, iid=True, topk_children=True),
 }

@@ -114,8 +114,9 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--verify-mode",
         default=_DEFAULTS.verify_mode,
-        choices=["rejection", "match"],
-        help="rejection sampling (default) or sample-then-match",
+        choices=["block", "rejection", "match"],
+        help="sampled chains: block verification (default; accepts at least as many drafts in "
+        "expectation), token-wise rejection sampling, or sample-then-match",
     )
     add_dtype(g)
     add_kv_cache_dtype(g)

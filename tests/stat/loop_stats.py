@@ -167,6 +167,7 @@ class VerifierSpy:
 
     def install(self, monkeypatch) -> VerifierSpy:
         monkeypatch.setattr(verify_mod, "verify_chain", self._chain(verify_mod.verify_chain))
+        monkeypatch.setattr(verify_mod, "verify_chain_block", self._chain(verify_mod.verify_chain_block))
         monkeypatch.setattr(verify_mod, "verify_chain_match", self._match(verify_mod.verify_chain_match))
         monkeypatch.setattr(verify_mod, "verify_tree_batch", self._tree(verify_mod.verify_tree_batch))
         monkeypatch.setattr(verify_mod, "native_chain", self._native(verify_mod.native_chain))
@@ -198,7 +199,7 @@ class VerifierSpy:
             v.emitted_ids[rows, acc[rows]] = _draw(p, u).to(v.emitted_ids)
 
     def _chain(self, real):
-        def verify_chain(draft_ids, draft_probs, target_probs, uniforms, num_draft=None):
+        def verify_chain(draft_ids, draft_probs, target_probs, uniforms, num_draft=None):  # or _block
             v = real(draft_ids, draft_probs, target_probs, uniforms, num_draft)
             self._tally_chain(v, num_draft, draft_ids.shape[1], target_probs)
             return v
@@ -215,8 +216,10 @@ class VerifierSpy:
 
     def _native(self, real):
         # our CPU kernel's chains (verify_native): the same tally, and the same broken re-draw
-        def native_chain(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None):
-            got = real(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids)
+        def native_chain(
+            logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids=None, block=False
+        ):
+            got = real(logits, draft_ids, num_draft, q, uniforms, params, vocab_size, q_ids, block)
             if got is None:
                 return None  # the loop takes the tensor path, spied above
             acc, final = got

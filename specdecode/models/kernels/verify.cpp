@@ -9,7 +9,8 @@
 //       (torch.argmax's choice, NaN largest)
 //   verify_chain(logits [B, N, V'] fp32, draft_ids [B, K] int64, num_draft [B] int64,
 //                q [B, K, Vq] fp32 | None, uniforms [B, K+1] fp32, temperature [B] fp32,
-//                vocab_size, q_ids [Vq] int64 | None) -> (num_accepted [B] int64, final_ids [B] int64)
+//                vocab_size, q_ids [Vq] int64 | None, block bool) -> (num_accepted [B] int64,
+//                final_ids [B] int64)
 //       Request b drafted x_k = draft_ids[b, k] for k < n = num_draft[b] (N >= K + 1 rows of
 //       logits, ids < vocab_size count). q spans the target's ids (Vq >= vocab_size), or with
 //       q_ids a draft vocabulary: column j is target id q_ids[j], every other id has q = 0 (what
@@ -21,6 +22,11 @@
 //         draft k is kept while uniforms[b, k] * q[b, k, x_k] < p_k(x_k); after a rejection at
 //         a the final token is drawn from norm(max(0, p_a - q_a)) (p_a where that has no mass),
 //         after n acceptances from p_n, by inverse CDF with uniforms[b, K].
+//       - T > 0 with q and block (block verification, verify_rules.verify_chain_block): with
+//         w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)) and the residual mass S_i of
+//         max(0, w_i p_i - q_i), A = the last i in 1..n with uniforms[b, i - 1] <= h_i =
+//         S_i / (S_i + 1 - w_i) (h_n = w_n), else 0; the final token is drawn from
+//         norm(max(0, w_A p_A - q_A)) (p_A where that has no mass), or from p_n when A = n.
 //       - T > 0 without q (sample-then-match, verify.verify_chain_match): y_k is drawn from p_k
 //         with uniforms[b, k]; drafts are kept while y_k == x_k; the final token is y at the
 //         first mismatch (or y_n).
@@ -132,9 +138,9 @@ inline double prob(const float* x, int64_t id, const RowStat& r, float inv_t) {
 // with q a full row (`q`) or a draft-vocabulary row (`qc`, its id of target id v at t2q[v], -1
 // for none); returns their sum (in double lanes, then in order).
 double chunk_weights(const float* x, const float* q, const float* qc, const int32_t* t2q, int64_t v0, int64_t v1,
-                     const RowStat& r, float inv_t, float* w) {
+                     const RowStat& r, float inv_t, float* w, double scale = 1.0) {
   const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx);
-  const __m256 iz = _mm256_set1_ps(static_cast<float>(1.0 / r.z)), zero = _mm256_setzero_ps();
+  const __m256 iz = _mm256_set1_ps(static_cast<float>(scale / r.z)), zero = _mm256_setzero_ps();
   int64_t v = v0;
   for (; v + 8 <= v1; v += 8) {
     __m256 p = _mm256_mul_ps(exp_shifted(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), m), it), zero), iz);
@@ -142,7 +148,7 @@ double chunk_weights(const float* x, const float* q, const float* qc, const int3
     _mm256_storeu_ps(w + v, p);
   }
   for (; v < v1; ++v) {
-    w[v] = static_cast<float>(prob(x, v, r, inv_t));
+    w[v] = static_cast<float>(scale * prob(x, v, r, inv_t));
     if (q) w[v] = std::max(w[v] - q[v], 0.f);
   }
   if (qc)
@@ -153,6 +159,36 @@ double chunk_weights(const float* x, const float* q, const float* qc, const int3
   double s = hadd_wide(lo, hi);
   for (; v < v1; ++v) s += w[v];
   return s;
+}
+
+// Block verification's residual mass sum_x max(0, s * p(x) - q(x)) over ids < V of one row: q a
+// full row (`q`), or a draft-vocabulary row (`qc`, column j at target id q_ids[j], nq columns;
+// every other id keeps s * p). `buf` holds nq floats.
+double residual_mass(const float* x, const float* q, const float* qc, const int64_t* q_ids, int64_t nq, int64_t V,
+                     const RowStat& r, float inv_t, double s, float* buf) {
+  const __m256 it = _mm256_set1_ps(inv_t), m = _mm256_set1_ps(r.mx), zero = _mm256_setzero_ps();
+  const __m256 sz = _mm256_set1_ps(static_cast<float>(s / r.z)), iz = _mm256_set1_ps(static_cast<float>(1.0 / r.z));
+  __m256d lo = _mm256_setzero_pd(), hi = lo, plo = lo, phi = lo;
+  const float* xs = x;
+  const float* qs = q;
+  int64_t n = V;
+  if (!q) {  // gather the logits of q's columns (ids past the vocabulary: -inf, p = 0)
+    for (int64_t j = 0; j < nq; ++j) buf[j] = q_ids[j] < V ? x[q_ids[j]] : -std::numeric_limits<float>::infinity();
+    xs = buf, qs = qc, n = nq;
+  }
+  int64_t v = 0;
+  for (; v + 8 <= n; v += 8) {
+    const __m256 e = exp_shifted(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xs + v), m), it), zero);
+    add_wide(lo, hi, _mm256_max_ps(_mm256_sub_ps(_mm256_mul_ps(e, sz), _mm256_loadu_ps(qs + v)), zero));
+    if (!q) add_wide(plo, phi, _mm256_mul_ps(e, iz));
+  }
+  double res = hadd_wide(lo, hi), in_q = hadd_wide(plo, phi);
+  for (; v < n; ++v) {
+    const double p = std::isinf(xs[v]) ? 0.0 : prob(xs, v, r, inv_t);
+    res += std::max(s * p - qs[v], 0.0);
+    in_q += p;
+  }
+  return q ? res : res + std::max(s * (1.0 - in_q), 0.0);
 }
 
 // The inverse-CDF draw over weights w [V] with chunk sums `sums` (in order): the first id whose
@@ -217,7 +253,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
                                                       const torch::Tensor& num_draft,
                                                       const c10::optional<torch::Tensor>& q,
                                                       const torch::Tensor& uniforms, const torch::Tensor& temperature,
-                                                      int64_t vocab_size, const c10::optional<torch::Tensor>& q_ids) {
+                                                      int64_t vocab_size, const c10::optional<torch::Tensor>& q_ids,
+                                                      bool block) {
   check(logits, "logits", torch::kFloat32, 3);
   check(draft_ids, "draft_ids", torch::kInt64, 2);
   check(num_draft, "num_draft", torch::kInt64, 1);
@@ -232,6 +269,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
   const bool compact = has_q && q_ids.has_value() && q_ids->defined();
   torch::Tensor qc;
   std::vector<int32_t> t2q;  // compact q: target id -> q's column (-1: none)
+  torch::Tensor ic;          // compact q: its columns' target ids
   if (has_q) {
     check(*q, "q", torch::kFloat32, 3);
     TORCH_CHECK(q->size(0) == B && q->size(1) == K, "q must be [B, K, ...]");
@@ -241,7 +279,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
   if (compact) {
     check(*q_ids, "q_ids", torch::kInt64, 1);
     TORCH_CHECK(q_ids->size(0) == q->size(2), "q_ids must name each of q's ", q->size(2), " columns");
-    const auto ic = q_ids->contiguous();
+    ic = q_ids->contiguous();
     const int64_t* ip = ic.data_ptr<int64_t>();
     t2q.assign(V, -1);
     for (int64_t j = 0; j < ic.size(0); ++j) {
@@ -283,6 +321,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
   auto final_ids = torch::zeros({B}, torch::kInt64);
   int64_t *ap = accepted.data_ptr<int64_t>(), *fp = final_ids.data_ptr<int64_t>();
   std::vector<int64_t> draw_row(B, -1);  // T > 0 rejection: the row to draw from (-1: none)
+  std::vector<double> scale(B, 1.0);      // block verification: w_A, p's weight in the residual
+  std::vector<float> buf(compact ? qc.size(2) : 0);
   std::vector<int64_t> match_rows(B, 0);  // T > 0 without q: rows 0..n all drawn
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = np[b];
@@ -291,6 +331,33 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
     if (inv_t[b] == 0.f) {
       while (a < n && x[a] == rs[b][a].arg) ++a;
       ap[b] = a, fp[b] = rs[b][a].arg;
+    } else if (has_q && block) {
+      // w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)); A = the last i whose uniform is at most
+      // h_i = S_i / (S_i + 1 - w_i) (h_n = w_n), S_i the residual mass at row i. S_i <= w_i, so
+      // h_i <= w_i: walking down from n, S_i is only computed where the uniform is at most w_i.
+      std::vector<double> wv(n + 1, 0.0);
+      wv[0] = 1.0;
+      for (int64_t i = 1; i <= n && x[i - 1] >= 0 && x[i - 1] < V; ++i) {
+        const float* qr = qp + (b * K + i - 1) * qld;
+        const float qx = !compact ? qr[x[i - 1]] : t2q[x[i - 1]] >= 0 ? qr[t2q[x[i - 1]]] : 0.f;
+        const double px = prob(row(b, i - 1), x[i - 1], rs[b][i - 1], inv_t[b]);
+        wv[i] = std::min(1.0, wv[i - 1] * (qx > 0.f ? px / qx : px > 0.0 ? 1e300 : 0.0));
+      }
+      for (int64_t i = n; i >= 1 && a == 0; --i) {
+        const double eta = up[b * (K + 1) + i - 1];
+        if (!(eta <= wv[i])) continue;
+        double h = wv[i];
+        if (i < n) {
+          const float* qn = qp + (b * K + i) * qld;
+          const double S = residual_mass(row(b, i), compact ? nullptr : qn, compact ? qn : nullptr,
+                                         compact ? ic.data_ptr<int64_t>() : nullptr, compact ? ic.size(0) : 0, V,
+                                         rs[b][i], inv_t[b], wv[i], buf.data());
+          h = S > 0.0 ? S / (S + 1.0 - wv[i]) : 0.0;
+        }
+        if (eta <= h) a = i;
+      }
+      scale[b] = a < n ? wv[a] : 1.0;
+      ap[b] = a, draw_row[b] = a;
     } else if (has_q) {
       while (a < n && x[a] >= 0 && x[a] < V) {
         const float* qr = qp + (b * K + a) * qld;
@@ -321,7 +388,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       // the residual max(0, p - q) after a rejection (k < n); p itself for a bonus or a match draw
       const float* qr = has_q && k < np[b] ? qp + (b * K + k) * qld : nullptr;
       sums[t] = chunk_weights(row(b, k), compact ? nullptr : qr, compact ? qr : nullptr, t2q.data(), c * CHUNK,
-                              std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b], w.data() + d * V);
+                              std::min(V, (c + 1) * CHUNK), rs[b][k], inv_t[b], w.data() + d * V, scale[b]);
     }
   });
   std::vector<int64_t> drawn(D);
@@ -432,7 +499,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
         "int vocab_size) -> (Tensor, Tensor)");
   m.def("row_argmax(Tensor x, int vocab_size) -> Tensor");
   m.def("verify_chain(Tensor logits, Tensor draft_ids, Tensor num_draft, Tensor? q, Tensor uniforms, "
-        "Tensor temperature, int vocab_size, Tensor? q_ids=None) -> (Tensor, Tensor)");
+        "Tensor temperature, int vocab_size, Tensor? q_ids=None, bool block=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
