@@ -1,6 +1,8 @@
 """`AdaptiveK`: per-request K from the request's own acceptance rate and the measured costs.
 
-Contract: it estimates the request's per-token acceptance rate alpha (decayed counts) and picks
+Contract: it estimates the request's per-token acceptance rate alpha (decayed counts: `decay` a
+round for greedy requests, whose acceptance moves with the text, the longer memory `sampled_decay`
+for sampled ones, whose rounds add the draws' own noise) and picks
 the K in [0, K_max] that maximises the expected speed-up
     E[tau](K) / (verify_cost[K] + [K > 0] * draft_fixed + K * draft_cost),
 (or verify_cost[K] + draft_curve[K] where a round's cost was measured as a curve over K),
@@ -46,6 +48,7 @@ class AdaptiveK(DraftPolicy):
         verify_cost: float | Sequence[float] = 0.03,
         decay: float = 0.9,
         probe_every: int = 8,
+        sampled_decay: float = 0.95,
         draft_fixed: float = 0.0,
         draft_curve: Sequence[float] | None = None,
         verify_curves: dict[int, Sequence[float]] | None = None,
@@ -76,7 +79,7 @@ class AdaptiveK(DraftPolicy):
         self.draft_curve = None if draft_curve is None else [float(c) for c in draft_curve]
         if self.draft_curve is not None and len(self.draft_curve) < k_max:
             raise ValueError(f"draft_curve needs {k_max} entries (K = 1..K_max), got {len(self.draft_curve)}")
-        self.decay, self.probe_every = decay, probe_every
+        self.decay, self.probe_every, self.sampled_decay = decay, probe_every, sampled_decay
         self.sampled_extra = None if sampled_extra is None else [float(c) for c in sampled_extra]
         if self.sampled_extra is not None and len(self.sampled_extra) < k_max + 1:
             n = len(self.sampled_extra)
@@ -156,5 +159,10 @@ class AdaptiveK(DraftPolicy):
         if num_draft <= 0:
             return
         tried = min(num_accepted + 1, num_draft)
-        state.accepted = self.decay * state.accepted + num_accepted
-        state.tried = self.decay * state.tried + tried
+        # At T > 0 a round's acceptance is a few Bernoulli draws: with the greedy memory (~10
+        # rounds) a request at alpha ~0.45 dips under the drafting threshold often and then
+        # waits for a probe at K = 1 to climb back (DSpark on chat at T = 1 spent about half its
+        # steps at K = 0: benchmarks/results/policy-sampled-decay-dspark-t1)
+        decay = self.sampled_decay if state.sampled else self.decay
+        state.accepted = decay * state.accepted + num_accepted
+        state.tried = decay * state.tried + tried

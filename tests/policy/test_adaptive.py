@@ -93,6 +93,22 @@ def test_a_sampled_request_pays_its_extra_and_a_greedy_one_does_not():
         AdaptiveK(k_max=4, verify_cost=flat, sampled_extra=[0.0, 0.1])
 
 
+def test_a_sampled_request_remembers_longer_than_a_greedy_one():
+    """The same history (40 rounds at alpha 1/3, then 5 rounds without an accepted draft): a
+    greedy request's estimate (decay 0.9) falls under what drafting needs, a sampled one's (0.95:
+    a sampled round's acceptance is a few random draws) stays above it and keeps drafting."""
+    pol = AdaptiveK(k_max=4, draft_fixed=0.15, verify_cost=[1.0, 1.05, 1.08, 1.1, 1.12])
+    states = [PolicyState(), PolicyState(sampled=True)]
+    for st in states:
+        for i in range(40):
+            pol.observe(st, num_draft=4, num_accepted=1 if i % 2 == 0 else 0)
+        for _ in range(5):
+            pol.observe(st, num_draft=4, num_accepted=0)
+    greedy, sampled = pol.choose(states)
+    assert greedy == 0 and sampled >= 2
+    assert states[0].accepted / states[0].tried < states[1].accepted / states[1].tried < 1 / 3
+
+
 def test_a_sampled_request_is_bounded_by_what_the_drafter_drafts_when_sampling():
     """An EAGLE-2 tree drafts a chain of at most its depth at T > 0: the policy gives such a
     request no K past `sampled_k_max` (E[tau] of more drafts would be a promise the round cannot
