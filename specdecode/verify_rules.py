@@ -105,6 +105,41 @@ def _normalised_or(
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), fallback)
 
 
+def _chain_inputs(
+    what: str,
+    draft_ids: torch.Tensor,  # [B, K] long
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    uniforms: torch.Tensor,  # [B, K+1]
+    num_draft: torch.Tensor | None,  # [B] long or None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # valid [B, K], num_draft [B], safe_ids [B, K]
+    """A chain rule's checked inputs: which draft slots count, and ids gatherable where padded."""
+    B, K = draft_ids.shape
+    V = target_probs.shape[-1]
+    _check_shapes(
+        what,
+        target_probs=(target_probs.shape, (B, K + 1, V)),
+        uniforms=(uniforms.shape, (B, K + 1)),
+        draft_probs=(draft_probs.shape if draft_probs is not None else (B, K, V), (B, K, V)),
+    )
+    valid, num_draft = _draft_mask(num_draft, B, K, draft_ids.device)
+    return valid, num_draft, torch.where(valid, draft_ids, 0)
+
+
+def _chain_verdict(
+    draft_ids: torch.Tensor,  # [B, K] long
+    num_accepted: torch.Tensor,  # [B] long
+    final_ids: torch.Tensor,  # [B] long
+) -> ChainVerdict:
+    """Emitted = accepted drafts, then the recovered / bonus token, then -1 padding."""
+    B, K = draft_ids.shape
+    pos = torch.arange(K, device=draft_ids.device)
+    emitted = torch.full((B, K + 1), -1, dtype=torch.long, device=draft_ids.device)
+    emitted[:, :K] = torch.where(pos[None] < num_accepted[:, None], draft_ids, -1)
+    emitted.scatter_(1, num_accepted[:, None], final_ids[:, None])
+    return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
+
+
 def verify_chain(
     draft_ids: torch.Tensor,  # [B, K] long (entries at k >= num_draft[b] are ignored)
     draft_probs: torch.Tensor | None,  # [B, K, V] q_k the drafts were drawn from; None = point mass
@@ -119,18 +154,9 @@ def verify_chain(
     Point-mass drafts (q = one-hot at x_k): accept w.p. p_k(x_k), recover from p_k without x_k.
     """
     B, K = draft_ids.shape
-    V = target_probs.shape[-1]
-    _check_shapes(
-        "verify_chain",
-        target_probs=(target_probs.shape, (B, K + 1, V)),
-        uniforms=(uniforms.shape, (B, K + 1)),
-        draft_probs=(draft_probs.shape if draft_probs is not None else (B, K, V), (B, K, V)),
-    )
-    dev = draft_ids.device
-    rows = torch.arange(B, device=dev)
-    pos = torch.arange(K + 1, device=dev)
-    valid, num_draft = _draft_mask(num_draft, B, K, dev)
-    safe_ids = torch.where(valid, draft_ids, 0)  # [B, K] gatherable even where padded with -1
+    args = (draft_ids, draft_probs, target_probs, uniforms, num_draft)
+    valid, num_draft, safe_ids = _chain_inputs("verify_chain", *args)  # safe_ids: padding gatherable
+    rows = torch.arange(B, device=draft_ids.device)
 
     # 1. Acceptance test of every draft at once; keep the prefix before the first rejection.
     p_x = target_probs[:, :K].gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
@@ -154,13 +180,7 @@ def verify_chain(
         residual = _normalised_or((p_last - q_last).clamp_min(0), p_last)
         rejected = num_accepted < num_draft  # [B]
         final_probs = torch.where(rejected[:, None], residual, p_last)
-    final_ids = sample(final_probs, uniforms[:, K])  # [B]
-
-    # 3. Emitted = accepted drafts, then the recovered / bonus token, then -1 padding.
-    emitted = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
-    emitted[:, :K] = torch.where(pos[None, :K] < num_accepted[:, None], draft_ids, -1)
-    emitted.scatter_(1, num_accepted[:, None], final_ids[:, None])
-    return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
+    return _chain_verdict(draft_ids, num_accepted, sample(final_probs, uniforms[:, K]))
 
 
 def verify_chain_block(
@@ -183,16 +203,10 @@ def verify_chain_block(
     """
     B, K = draft_ids.shape
     V = target_probs.shape[-1]
-    _check_shapes(
-        "verify_chain_block",
-        target_probs=(target_probs.shape, (B, K + 1, V)),
-        uniforms=(uniforms.shape, (B, K + 1)),
-        draft_probs=(draft_probs.shape if draft_probs is not None else (B, K, V), (B, K, V)),
-    )
+    args = (draft_ids, draft_probs, target_probs, uniforms, num_draft)
+    valid, num_draft, safe_ids = _chain_inputs("verify_chain_block", *args)
     dev = draft_ids.device
     rows = torch.arange(B, device=dev)
-    valid, num_draft = _draft_mask(num_draft, B, K, dev)
-    safe_ids = torch.where(valid, draft_ids, 0)  # [B, K]
     p = target_probs.double()  # [B, K+1, V]
     if draft_probs is None:
         q = torch.zeros(B, K, V, dtype=p.dtype, device=dev).scatter_(-1, safe_ids[..., None], 1.0)
@@ -223,13 +237,7 @@ def verify_chain_block(
         w_last = w[rows, num_accepted][:, None]  # [B, 1]
         residual = _normalised_or((w_last * p_last - q[rows, k_last]).clamp_min(0), p_last)
         final_probs = torch.where((num_accepted < num_draft)[:, None], residual, p_last)
-    final_ids = sample(final_probs.to(target_probs.dtype), uniforms[:, K])  # [B]
-
-    pos = torch.arange(K + 1, device=dev)
-    emitted = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
-    emitted[:, :K] = torch.where(pos[None, :K] < num_accepted[:, None], draft_ids, -1)
-    emitted.scatter_(1, num_accepted[:, None], final_ids[:, None])
-    return ChainVerdict(num_accepted=num_accepted, emitted_ids=emitted, num_emitted=num_accepted + 1)
+    return _chain_verdict(draft_ids, num_accepted, sample(final_probs.to(target_probs.dtype), uniforms[:, K]))
 
 
 def verify_chain_match(
