@@ -195,7 +195,7 @@ def verify_chain_block(
 
     With weights w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)) and residual masses
     S_i = sum_x max(0, w_i p_i(x) - q_i(x)), draft i's stop probability is h_i = S_i / (S_i + 1 - w_i)
-    (0 where S_i = 0) and h_n = w_n for the last draft. A = the largest i with uniforms[:, i-1] <= h_i
+    (0 where S_i = 0) and h_n = w_n for the last draft. A = the largest i with uniforms[:, i-1] < h_i
     (0 if none) drafts are kept; the final token is the bonus from p_n when A = n, else drawn
     from norm(max(0, w_A p_A - q_A)). Token-wise rejection keeps a prefix only while every
     draft passes on its own; here a later draft that p likes more than q can vouch for an earlier
@@ -227,7 +227,8 @@ def verify_chain_block(
     h = torch.cat([h, torch.zeros(B, 1, dtype=p.dtype, device=dev)], 1)  # [B, K+1]
     h[rows, num_draft] = w[rows, num_draft]  # the last draft: h_n = w_n
     i_range = torch.arange(1, K + 1, device=dev)  # [K] draft i = 1..K
-    stops = (uniforms[:, :K].to(p.dtype) <= h[:, 1:]) & (i_range[None] <= num_draft[:, None])  # [B, K]
+    # strictly below: a uniform of exactly 0 never keeps a draft p gives no mass (h = 0 there)
+    stops = (uniforms[:, :K].to(p.dtype) < h[:, 1:]) & (i_range[None] <= num_draft[:, None])  # [B, K]
     num_accepted = torch.where(stops, i_range[None], 0).amax(1) if K > 0 else num_draft * 0  # [B]
 
     p_last = p[rows, num_accepted]  # [B, V]

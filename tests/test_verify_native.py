@@ -398,3 +398,16 @@ def test_a_tree_request_verifies_alike_beside_greedy_and_top_k_neighbours():
             one = Proposal(prop.draft_ids[b : b + 1], prop.num_draft[b : b + 1], parents=par[b : b + 1])
             alone = verify_step(one, logits[b : b + 1], params[b : b + 1], [Stream(trial * 3 + b)], [0], V)
             assert alone[0] == both[b]
+
+
+def test_block_never_keeps_a_draft_the_target_excludes_even_at_a_zero_uniform():
+    """p(x_1) = 0 makes every later weight 0; uniforms of exactly 0 keep nothing on either path."""
+    logits, q, ids, _ = _case(1, 3, 200, seed=11)
+    logits[0, 0, ids[0, 0]] = float("-inf")  # the target excludes the first draft
+    params = [SamplingParams(temperature=1.0)]
+    u = torch.zeros(1, 4)
+    p = process_logits_batch(logits, params, 200)
+    ref = verify_chain_block(ids, q, p, u, torch.tensor([3]))
+    acc, final = native_chain(logits, ids, torch.tensor([3]), q, u, params, 200, block=True)
+    assert int(ref.num_accepted[0]) == int(acc[0]) == 0
+    assert int(final[0]) != int(ids[0, 0]) and float(p[0, 0, final[0]]) > 0

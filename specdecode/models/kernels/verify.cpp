@@ -24,7 +24,7 @@
 //         after n acceptances from p_n, by inverse CDF with uniforms[b, K].
 //       - T > 0 with q and block (block verification, verify_rules.verify_chain_block): with
 //         w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)) and the residual mass S_i of
-//         max(0, w_i p_i - q_i), A = the last i in 1..n with uniforms[b, i - 1] <= h_i =
+//         max(0, w_i p_i - q_i), A = the last i in 1..n with uniforms[b, i - 1] < h_i =
 //         S_i / (S_i + 1 - w_i) (h_n = w_n), else 0; the final token is drawn from
 //         norm(max(0, w_A p_A - q_A)) (p_A where that has no mass), or from p_n when A = n.
 //       - T > 0 without q (sample-then-match, verify.verify_chain_match): y_k is drawn from p_k
@@ -332,9 +332,9 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       while (a < n && x[a] == rs[b][a].arg) ++a;
       ap[b] = a, fp[b] = rs[b][a].arg;
     } else if (has_q && block) {
-      // w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)); A = the last i whose uniform is at most
+      // w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)); A = the last i whose uniform is below
       // h_i = S_i / (S_i + 1 - w_i) (h_n = w_n), S_i the residual mass at row i. S_i <= w_i, so
-      // h_i <= w_i: walking down from n, S_i is only computed where the uniform is at most w_i.
+      // h_i <= w_i: walking down from n, S_i is only computed where the uniform is below w_i.
       std::vector<double> wv(n + 1, 0.0);
       wv[0] = 1.0;
       for (int64_t i = 1; i <= n && x[i - 1] >= 0 && x[i - 1] < V; ++i) {
@@ -345,7 +345,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       }
       for (int64_t i = n; i >= 1 && a == 0; --i) {
         const double eta = up[b * (K + 1) + i - 1];
-        if (!(eta <= wv[i])) continue;
+        if (!(eta < wv[i])) continue;
         double h = wv[i];
         if (i < n) {
           const float* qn = qp + (b * K + i) * qld;
@@ -354,7 +354,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
                                          rs[b][i], inv_t[b], wv[i], buf.data());
           h = S > 0.0 ? S / (S + 1.0 - wv[i]) : 0.0;
         }
-        if (eta <= h) a = i;
+        if (eta < h) a = i;  // strictly: a uniform of 0 never keeps a draft of p = 0 (h = 0)
       }
       scale[b] = a < n ? wv[a] : 1.0;
       ap[b] = a, draw_row[b] = a;
