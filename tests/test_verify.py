@@ -307,29 +307,16 @@ def _draft_chain(q, state, g, greedy):
     return torch.stack(ids, 1), torch.stack(qs, 1), torch.stack(states, 1)
 
 
-def _step_chain(p, q, state, g):
+def _step_chain(p, q, state, g, rule=verify_chain):  # rule: verify_chain or verify_chain_block
     ids, qs, states = _draft_chain(q, state, g, greedy=False)
     num_draft = torch.randint(0, K + 1, (TRIALS,), generator=g)  # ragged
-    v = verify_chain(ids, qs, p[states], torch.rand(TRIALS, K + 1, generator=g), num_draft)
+    v = rule(ids, qs, p[states], torch.rand(TRIALS, K + 1, generator=g), num_draft)
     return v.emitted_ids, v.num_emitted
 
 
-def _step_point(p, q, state, g):
+def _step_point(p, q, state, g, rule=verify_chain):
     ids, _, states = _draft_chain(q, state, g, greedy=True)  # a deterministic drafter
-    v = verify_chain(ids, None, p[states], torch.rand(TRIALS, K + 1, generator=g))
-    return v.emitted_ids, v.num_emitted
-
-
-def _step_block(p, q, state, g):
-    ids, qs, states = _draft_chain(q, state, g, greedy=False)
-    num_draft = torch.randint(0, K + 1, (TRIALS,), generator=g)  # ragged
-    v = verify_chain_block(ids, qs, p[states], torch.rand(TRIALS, K + 1, generator=g), num_draft)
-    return v.emitted_ids, v.num_emitted
-
-
-def _step_block_point(p, q, state, g):
-    ids, _, states = _draft_chain(q, state, g, greedy=True)
-    v = verify_chain_block(ids, None, p[states], torch.rand(TRIALS, K + 1, generator=g))
+    v = rule(ids, None, p[states], torch.rand(TRIALS, K + 1, generator=g))
     return v.emitted_ids, v.num_emitted
 
 
@@ -392,8 +379,8 @@ def _step_block_wrong(p, q, state, g):
 MODES = {
     "chain": _step_chain,
     "chain-point-mass": _step_point,
-    "block": _step_block,
-    "block-point-mass": _step_block_point,
+    "block": lambda p, q, s, g: _step_chain(p, q, s, g, rule=verify_chain_block),
+    "block-point-mass": lambda p, q, s, g: _step_point(p, q, s, g, rule=verify_chain_block),
     "sample-then-match": _step_match,
     "tree-iid": lambda p, q, s, g: _step_tree(p, q, s, g, iid=True),
     "tree-topk": lambda p, q, s, g: _step_tree(p, q, s, g, iid=False),

@@ -323,6 +323,10 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
   std::vector<int64_t> draw_row(B, -1);  // T > 0 rejection: the row to draw from (-1: none)
   std::vector<double> scale(B, 1.0);      // block verification: w_A, p's weight in the residual
   std::vector<float> buf(compact ? qc.size(2) : 0);
+  const auto q_at = [&](int64_t b, int64_t k, int64_t id) {  // q of draft slot k at target id < V
+    const float* qr = qp + (b * K + k) * qld;
+    return !compact ? qr[id] : t2q[id] >= 0 ? qr[t2q[id]] : 0.f;
+  };
   std::vector<int64_t> match_rows(B, 0);  // T > 0 without q: rows 0..n all drawn
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = np[b];
@@ -338,8 +342,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       std::vector<double> wv(n + 1, 0.0);
       wv[0] = 1.0;
       for (int64_t i = 1; i <= n && x[i - 1] >= 0 && x[i - 1] < V; ++i) {
-        const float* qr = qp + (b * K + i - 1) * qld;
-        const float qx = !compact ? qr[x[i - 1]] : t2q[x[i - 1]] >= 0 ? qr[t2q[x[i - 1]]] : 0.f;
+        const float qx = q_at(b, i - 1, x[i - 1]);
         const double px = prob(row(b, i - 1), x[i - 1], rs[b][i - 1], inv_t[b]);
         wv[i] = std::min(1.0, wv[i - 1] * (qx > 0.f ? px / qx : px > 0.0 ? 1e300 : 0.0));
       }
@@ -360,8 +363,7 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chain(const torch::Tensor& logit
       ap[b] = a, draw_row[b] = a;
     } else if (has_q) {
       while (a < n && x[a] >= 0 && x[a] < V) {
-        const float* qr = qp + (b * K + a) * qld;
-        const float qx = !compact ? qr[x[a]] : t2q[x[a]] >= 0 ? qr[t2q[x[a]]] : 0.f;
+        const float qx = q_at(b, a, x[a]);
         if (!(static_cast<double>(up[b * (K + 1) + a]) * qx < prob(row(b, a), x[a], rs[b][a], inv_t[b]))) break;
         ++a;
       }
