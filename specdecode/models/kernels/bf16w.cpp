@@ -27,7 +27,7 @@ namespace {
 
 constexpr int64_t PB = 16;  // output rows per packed block
 constexpr int64_t PF = 96;     // prefetch distance, steps of k (3 KiB; 32 left 4-row passes waiting)
-constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-3):
+constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-2):
                               // 6 x 16 x K bf16, 288 KiB at K = 1536, stay in a core's L2
 
 template <int MT, int NB>
@@ -43,7 +43,10 @@ inline void ptile(const float* x, int64_t K, const uint16_t* p, float* out) {
     __m256 wv[2 * NB];
     _Pragma("GCC unroll 16") for (int b = 0; b < NB; ++b) {
       const uint16_t* src = p + b * K * PB + k * PB;
-      _mm_prefetch(reinterpret_cast<const char*>(src + PF * PB), _MM_HINT_T0);
+      // PF steps ahead in the order the blocks are read: past this block's end, the same
+      // block of the next NB (the stream that will read it), not the next block (read already)
+      const int64_t ahead = k + PF < K ? PF : (NB - 1) * K + PF;
+      _mm_prefetch(reinterpret_cast<const char*>(src + ahead * PB), _MM_HINT_T0);
       const __m256i wr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       wv[2 * b] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wr));      // outputs 0-3, 8-11
       wv[2 * b + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wr));  // outputs 4-7, 12-15
@@ -127,7 +130,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& P, int6
         case 4: prange<4, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
         case 3: prange<3, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
         case 2: prange<2, 2>(xr, K, pp, bp, yr, N, c0, c1); break;
-        case 1: prange<1, 3>(xr, K, pp, bp, yr, N, c0, c1); break;
+        case 1: prange<1, 2>(xr, K, pp, bp, yr, N, c0, c1); break;  // 2 streams beat 1 and 3
         default: break;
       }
     }
