@@ -14,8 +14,8 @@ Contract:
   from decode time and reported separately; the same token ids are given to every method.
 - Peers (`hf`, `hf-assisted`, `hf-lookup`: transformers `generate` plain / with the same draft
   model / prompt lookup) run in the same process at batch 1, for the ratio on a noisy machine.
-- The hardware limit: the machine's read bandwidth is measured once and the batch-1 ceiling
-  bandwidth / weight bytes is reported beside our `ar`.
+- The hardware limit: the machine's read bandwidth is measured at the start (the batch-1
+  ceiling bandwidth / weight bytes is reported beside our `ar`) and again at the end of the run.
 """
 
 from __future__ import annotations
@@ -305,6 +305,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
             done.add((p, it["id"], t, b, rep))
         _save(results, cfg, meta, rows)
     bar.close()
+    # Read again at the end: a host whose speed drifts over a long run shows it in the report
+    meta["bandwidth_end_GBps"] = hardware.measure_read_bandwidth(device=dev) / 1e9
     _save(results, cfg, meta, rows)
     write_report(out, cfg, meta, rows)
     return out

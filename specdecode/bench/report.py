@@ -93,6 +93,18 @@ def acceptance_by_position(rows: list[dict], method: str, temperature: float) ->
     return [a / n if n else 0.0 for a, n in zip(acc, reach, strict=True)]
 
 
+def _drift(meta: dict) -> str:
+    """The bandwidth read again at the end of the run, where it was (an older run has none)."""
+    end = meta.get("bandwidth_end_GBps")
+    if end is None:
+        return ""
+    change = end / meta["bandwidth_GBps"] - 1
+    return (
+        f" At the end of the run it read {end:.1f} GB/s ({change:+.0%}): 'x ceiling' is against the "
+        "start; a host whose speed drifts moves it, not the paired speed-ups."
+    )
+
+
 def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -115,7 +127,7 @@ def write_report(out: Path, cfg, meta: dict, rows: list[dict]) -> None:
         "## Hardware limit",
         "",
         f"Read bandwidth {meta['bandwidth_GBps']:.1f} GB/s, target weights {meta['weight_MB']:.0f} MB -> "
-        f"batch-1 ceiling {meta['ar_ceiling_tokens_per_s']:.1f} tokens/s.",
+        f"batch-1 ceiling {meta['ar_ceiling_tokens_per_s']:.1f} tokens/s.{_drift(meta)}",
         "",
     ]
     ceiling = meta["ar_ceiling_tokens_per_s"]

@@ -42,7 +42,10 @@ def test_bench_writes_rows_report_plots_and_resumes(tiny_llama_dir, tmp_path, mo
         assert r["num_new_tokens"] >= 1 and r["decode_time_s"] > 0 and r["tau"] >= 1.0
         assert r["prefill_time_s"] >= 0 and r["peak_rss_MB"] > 0
     assert data["meta"]["bandwidth_GBps"] > 0 and data["meta"]["ar_ceiling_tokens_per_s"] > 0
+    end = data["meta"]["bandwidth_end_GBps"]
+    assert end > 0
     report = (out / "report.md").read_text()
+    assert f"At the end of the run it read {end:.1f} GB/s" in report
     assert "## T = 0.0, batch 1" in report and "## T = 1.0, batch 2" in report and "geo-mean" in report
     assert "Hardware limit" in report and "Per-position conditional acceptance" in report
     for name in ["speedup_T0.0_B1.png", "acceptance_T1.0.png", "time_share.png"]:
