@@ -135,14 +135,16 @@ inline void score8_rows(const float* q, int64_t ld, const T* const* k, int64_t d
     const T* k1 = k[4 * half + 1];
     const T* k2 = k[4 * half + 2];
     const T* k3 = k[4 * half + 3];
+    const T* ks[4] = {k0, k1, k2, k3};
     for (int64_t i = 0; i < d; i += 8) {
-      const __m256 v0 = load8(k0 + i), v1 = load8(k1 + i), v2 = load8(k2 + i), v3 = load8(k3 + i);
-      for (int g = 0; g < RG; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * ld + i);
-        a[g][0] = _mm256_fmadd_ps(qv, v0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(qv, v1, a[g][1]);
-        a[g][2] = _mm256_fmadd_ps(qv, v2, a[g][2]);
-        a[g][3] = _mm256_fmadd_ps(qv, v3, a[g][3]);
+      // the RG query vectors held, one key widened at a time: 3 rows' 12 accumulators + 3 + 1
+      // fill AVX2's 16 registers (all 4 keys held made 17, and gcc spilled accumulators to the
+      // stack on every step)
+      __m256 qv[RG];
+      for (int g = 0; g < RG; ++g) qv[g] = _mm256_loadu_ps(q + g * ld + i);
+      for (int t = 0; t < 4; ++t) {
+        const __m256 kv = load8(ks[t] + i);
+        for (int g = 0; g < RG; ++g) a[g][t] = _mm256_fmadd_ps(qv[g], kv, a[g][t]);
       }
     }
     for (int g = 0; g < RG; ++g)
@@ -190,14 +192,13 @@ inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float
     for (int64_t j = 0; j < n; ++j) {
       if (p[j] == 0.f) continue;  // masked for every row of the group
       const T* vj = v + j * vl + e0;
-      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
-      const __m256 v2 = load8(vj + 16), v3 = load8(vj + 24);
-      for (int g = 0; g < RG; ++g) {
-        const __m256 pj = _mm256_set1_ps(p[g * ld + j] * inv[g]);
-        acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(pj, v1, acc[g][1]);
-        acc[g][2] = _mm256_fmadd_ps(pj, v2, acc[g][2]);
-        acc[g][3] = _mm256_fmadd_ps(pj, v3, acc[g][3]);
+      // the RG weights held, one value vector widened at a time (12 + 3 + 1 registers; all 4
+      // value vectors held made 17 and spilled accumulators to the stack on every key)
+      __m256 pj[RG];
+      for (int g = 0; g < RG; ++g) pj[g] = _mm256_set1_ps(p[g * ld + j] * inv[g]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 vv = load8(vj + 8 * u);
+        for (int g = 0; g < RG; ++g) acc[g][u] = _mm256_fmadd_ps(pj[g], vv, acc[g][u]);
       }
     }
     for (int g = 0; g < RG; ++g)
