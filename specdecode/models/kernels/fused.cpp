@@ -131,11 +131,7 @@ inline void score8_rows(const float* q, int64_t ld, const T* const* k, int64_t d
     __m256 a[RG][4];
     for (int g = 0; g < RG; ++g)
       for (int t = 0; t < 4; ++t) a[g][t] = _mm256_setzero_ps();
-    const T* k0 = k[4 * half];
-    const T* k1 = k[4 * half + 1];
-    const T* k2 = k[4 * half + 2];
-    const T* k3 = k[4 * half + 3];
-    const T* ks[4] = {k0, k1, k2, k3};
+    const T* const* ks = k + 4 * half;  // this half's 4 keys
     for (int64_t i = 0; i < d; i += 8) {
       // the RG query vectors held, one key widened at a time: 3 rows' 12 accumulators + 3 + 1
       // fill AVX2's 16 registers (all 4 keys held made 17, and gcc spilled accumulators to the
