@@ -174,24 +174,35 @@ inline void weighted_sum(const float* p, int64_t j0, int64_t n, float inv, const
   }
 }
 
+// p == 0 (either sign), tested on the float's bits in a general register: a float compare
+// keeps a zero in a vector register, and in weighted_sum_rows that 17th register made gcc spill
+// an accumulator to the stack (a store-to-load round trip on every key's chain; perf on Zen 3)
+inline bool zero_bits(const float* p) {
+  uint32_t b;
+  std::memcpy(&b, p, sizeof b);
+  return (b << 1) == 0;
+}
+
 // weighted_sum over keys [0, n) for RG rows at once that share their zero weights there (rows
 // of one chunk with the same mask row, or the keys every row of the chunk sees): each value row
 // is loaded once for all RG rows; every output element is the same sequence of fmas as
 // weighted_sum's, so the result is bit for bit what it gives row by row (o: zeros to start).
+// The weights come scaled already (p[j] * inv, the product weighted_sum forms; the softmax pass
+// stores it), so a key costs the loop RG broadcasts from memory and no multiplies.
 template <int RG, typename T>
-inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const float* inv, const T* v,
-                              int64_t vl, int64_t d, float* o, int64_t od) {
+inline void weighted_sum_rows(const float* p, int64_t ld, int64_t n, const T* v, int64_t vl, int64_t d, float* o,
+                              int64_t od) {
   for (int64_t e0 = 0; e0 + 32 <= d; e0 += 32) {
     __m256 acc[RG][4];
     for (int g = 0; g < RG; ++g)
       for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_loadu_ps(o + g * od + e0 + 8 * u);
     for (int64_t j = 0; j < n; ++j) {
-      if (p[j] == 0.f) continue;  // masked for every row of the group
+      if (zero_bits(p + j)) continue;  // masked for every row of the group
       const T* vj = v + j * vl + e0;
       // the RG weights held, one value vector widened at a time (12 + 3 + 1 registers; all 4
       // value vectors held made 17 and spilled accumulators to the stack on every key)
       __m256 pj[RG];
-      for (int g = 0; g < RG; ++g) pj[g] = _mm256_set1_ps(p[g * ld + j] * inv[g]);
+      for (int g = 0; g < RG; ++g) pj[g] = _mm256_broadcast_ss(p + g * ld + j);
       for (int u = 0; u < 4; ++u) {
         const __m256 vv = load8(vj + 8 * u);
         for (int g = 0; g < RG; ++g) acc[g][u] = _mm256_fmadd_ps(pj[g], vv, acc[g][u]);
@@ -362,9 +373,9 @@ void weighted_sum_all(const float* s, int64_t Lp, int64_t rn, int64_t n, const f
   for (int64_t r = 0; r < rn; r += 3) {
     const float* sr = s + r * Lp;
     switch (std::min<int64_t>(3, rn - r)) {
-      case 3: weighted_sum_rows<3, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
-      case 2: weighted_sum_rows<2, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D); break;
-      default: weighted_sum_rows<1, T>(sr, Lp, n, inv + r, vv, vl, D, o + r * D, D);
+      case 3: weighted_sum_rows<3, T>(sr, Lp, n, vv, vl, D, o + r * D, D); break;
+      case 2: weighted_sum_rows<2, T>(sr, Lp, n, vv, vl, D, o + r * D, D); break;
+      default: weighted_sum_rows<1, T>(sr, Lp, n, vv, vl, D, o + r * D, D);
     }
   }
 }
@@ -638,7 +649,12 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
           _mm256_storeu_ps(sr + j, e);
           vsum = _mm256_add_ps(vsum, e);
         }
-        inv[r] = 1.f / hadd(vsum);
+        // the weights scaled here once (p * inv, the product the value pass would form for every
+        // 32 outputs); the value pass then multiplies by inv = 1, which leaves them as they are
+        const float iv = 1.f / hadd(vsum);
+        const __m256 vi = _mm256_set1_ps(iv);
+        for (int64_t j = 0; j < jend; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(_mm256_loadu_ps(sr + j), vi));
+        inv[r] = 1.f;
         sees[r] = true;
       }
       if (last < 0) {
