@@ -13,18 +13,15 @@ Usage: python benchmarks/policy_ab.py --method dspark --datasets chat,rag,summar
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import statistics
 from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
+from specdecode.bench.paired import paired_rows, paired_runs, paired_table
 from specdecode.build import LoadOptions, build
-from specdecode.config import SamplingParams
 from specdecode.datasets import load_category
 from specdecode.models.loader import load_model
-from specdecode.request import GenerationRequest
 from specdecode.training.regen import prompt_ids
 
 
@@ -48,29 +45,10 @@ def main() -> None:
         decoders[f"sampled_decay {d:g}"] = dec
     cats = a.datasets.split(",")
     prompts = [(c, prompt_ids(target, r)) for c in cats for r in load_category(c, a.limit)]
-    runs = collections.defaultdict(list)  # (decoder, category) -> [(s/token, tau, drafts/step)]
-    names = list(decoders)
-    for rep in range(a.repeats + 1):  # repeat 0 warms up
-        for i, (cat, ids) in enumerate(prompts):
-            for name in names if rep % 2 == 0 else names[::-1]:
-                params = SamplingParams(temperature=a.temperature)
-                req = GenerationRequest(ids, params, a.max_new_tokens, seed=1000 * rep + i)
-                out = decoders[name].generate([req])[0]
-                if rep:
-                    steps = max(out.num_steps, 1)
-                    runs[(name, cat)].append(
-                        (out.decode_time_s / out.num_new_tokens, out.tau, out.num_drafted / steps)
-                    )
-    rows = []
-    for cat in cats:
-        base = runs[("ar", cat)]
-        for name in names[1:]:
-            got = runs[(name, cat)]
-            speedup = statistics.median(b[0] / g[0] for b, g in zip(base, got, strict=True))
-            tau = statistics.mean(g[1] for g in got)
-            drafts = statistics.mean(g[2] for g in got)
-            rows.append({"category": cat, "decoder": name, "speedup": speedup, "tau": tau, "drafts": drafts})
-            print(json.dumps(rows[-1]), flush=True)
+    runs = paired_runs(decoders, prompts, a.temperature, a.max_new_tokens, a.repeats)
+    rows = paired_rows(runs, cats)
+    for r in rows:
+        print(json.dumps(r), flush=True)
     cmd = "python benchmarks/policy_ab.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"
     )
@@ -84,13 +62,8 @@ def main() -> None:
         "",
         f"Command: `{cmd}`",
         "",
-        "| category | policy | speed-up over ar | tau | drafts / step |",
-        "|---|---|---|---|---|",
+        *paired_table(rows, "policy"),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['category']} | {r['decoder']} | {r['speedup']:.3f}x | {r['tau']:.2f} | {r['drafts']:.2f} |"
-        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")

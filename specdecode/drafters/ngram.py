@@ -2,8 +2,9 @@
 
 Contract: for each request, find the most recent earlier occurrence of the context's last n
 tokens (n from `max_ngram` down to `min_ngram`) and propose the tokens that followed it, up to
-K. Deterministic, so drafts are point masses. Strong on summarisation, code edits and RAG,
-where the output copies spans of the prompt.
+K, and up to `SHORT_MATCH_DRAFTS[n]` after a match of only n tokens (`short_match_drafts`; {}
+drafts K after any match). Deterministic, so drafts are point masses. Strong on summarisation,
+code edits and RAG, where the output copies spans of the prompt.
 `ngram-tree` (`NgramDrafter(tree=True)`): the continuations of several earlier matches at once,
 merged into a token tree of at most K nodes (`lookup_tree`: longest n first, the most recent
 match first, each continuation up to `TREE_DEPTH` tokens, shared prefixes stored once); one
@@ -56,6 +57,24 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
     """Tokens that followed the latest earlier match of the trailing n-gram; longest n first."""
     start = next(match_starts(tokens, min_ngram, max_ngram), None)
     return tokens[:0] if start is None else tokens[start : start + k]
+
+
+# Most drafts a short match proposes (n -> tokens): on SmolLM2's answers a 1-token match's first
+# token is right 15-23 % of the time and a 2-token match's 37-41 %, against 72-87 % for 3 tokens
+# (benchmarks/results/ngram-ceiling-smollm2-135m-epyc-zen3); long drafts after them cost verify
+# time that the policy's one K, set by the good matches, would spend.
+SHORT_MATCH_DRAFTS = {1: 1, 2: 2}
+
+
+def capped_continuation(
+    tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int, caps: dict[int, int]
+) -> np.ndarray:
+    """`lookup_continuation` (the same match), cut to caps[n] tokens for a match of n tokens."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        start = next(match_starts(tokens, n, n), None)
+        if start is not None:
+            return tokens[start : start + min(k, caps.get(n, k))]
+    return tokens[:0]
 
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
@@ -322,6 +341,7 @@ class NgramDrafter(Drafter):
         max_context: int = 4096,
         tree: bool = False,
         table: NgramTable | None = None,
+        short_match_drafts: dict[int, int] | None = None,
     ):
         if not (1 <= min_ngram <= max_ngram):
             raise SpecDecodeError(
@@ -329,6 +349,9 @@ class NgramDrafter(Drafter):
             )
         self.min_ngram, self.max_ngram, self.max_context = min_ngram, max_ngram, max_context
         self.tree, self.table = tree, table
+        # prompt lookup's chains: the drafts a short match may propose (None: SHORT_MATCH_DRAFTS,
+        # {}: no cap, every match up to K)
+        self.caps = SHORT_MATCH_DRAFTS if short_match_drafts is None else dict(short_match_drafts)
         if table is not None:
             self.name = "ngram-table-tree" if tree else "ngram-table"
 
@@ -342,7 +365,7 @@ class NgramDrafter(Drafter):
                 continue
             ctx = np.asarray(row.token_ids[-self.max_context :], dtype=np.int64)
             if self.table is None:
-                conts.append(lookup_continuation(ctx, k, self.min_ngram, self.max_ngram))
+                conts.append(capped_continuation(ctx, k, self.min_ngram, self.max_ngram, self.caps))
             else:
                 conts.append(table_continuation(ctx, k, self.table, self.min_ngram, self.max_ngram))
         max_k = max((len(c) for c in conts), default=0)

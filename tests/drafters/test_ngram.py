@@ -6,8 +6,10 @@ from hypothesis import strategies as st
 from specdecode.config import SamplingParams
 from specdecode.drafter import DraftRow
 from specdecode.drafters.ngram import (
+    SHORT_MATCH_DRAFTS,
     NgramDrafter,
     NgramTable,
+    capped_continuation,
     context_keys,
     lookup_continuation,
     lookup_tree,
@@ -43,7 +45,7 @@ def test_match_starts_finds_every_match_longest_and_latest_first(toks, min_ngram
 
 
 def test_propose_is_ragged_and_point_mass():
-    d = NgramDrafter()
+    d = NgramDrafter(short_match_drafts={})  # every match drafts up to K
     g = torch.Generator()
     rows = [
         DraftRow(0, [1, 2, 3, 4, 1, 2], SamplingParams(), g),
@@ -54,6 +56,33 @@ def test_propose_is_ragged_and_point_mass():
     assert prop.num_draft.tolist() == [4, 0]
     assert prop.draft_ids[0].tolist() == [3, 4, 1, 2]
     assert d.propose(rows, [0, 0]).num_draft.tolist() == [0, 0]
+
+
+def test_short_matches_propose_fewer_drafts():
+    g = torch.Generator()
+    rows = [
+        DraftRow(0, [1, 2, 3, 4, 1, 2], SamplingParams(), g),  # a 2-token match ([1, 2])
+        DraftRow(1, [7, 1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(), g),  # a 3-token match
+        DraftRow(2, [9, 4, 5, 6, 7, 8, 3, 9], SamplingParams(), g),  # a 1-token match ([9])
+    ]
+    prop = NgramDrafter().propose(rows, [4, 4, 4])
+    assert SHORT_MATCH_DRAFTS == {1: 1, 2: 2}
+    assert prop.num_draft.tolist() == [2, 4, 1]
+    assert prop.draft_ids[0, :2].tolist() == [3, 4]
+    assert prop.draft_ids[1].tolist() == [4, 5, 1, 2]
+    assert prop.draft_ids[2, :1].tolist() == [4]
+    uncapped = NgramDrafter(short_match_drafts={}).propose(rows, [4, 4, 4])
+    assert uncapped.num_draft.tolist() == [4, 4, 4]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 6), st.integers(0, 3), st.integers(0, 3))
+def test_capped_continuation_is_the_same_match_cut_to_its_cap(toks, k, cap1, cap2):
+    t = np.array(toks, dtype=np.int64)
+    full = lookup_continuation(t, k, 1, 3)
+    got = capped_continuation(t, k, 1, 3, {1: cap1, 2: cap2})
+    n = next((n for n in (3, 2, 1) if next(match_starts(t, n, n), None) is not None), None)
+    assert got.tolist() == full[: {1: cap1, 2: cap2}.get(n, k)].tolist()
 
 
 def test_lookup_tree_merges_the_continuations_of_every_match():

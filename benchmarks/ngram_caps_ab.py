@@ -1,0 +1,78 @@
+"""Prompt lookup with and without its short-match caps, paired against `ar` in one process.
+
+`ngram` drafts at most `SHORT_MATCH_DRAFTS[n]` tokens after a match of only n tokens (1: 1,
+2: 2; benchmarks/ngram_ceiling.py measured how rarely such matches are followed for long); this
+runs `ar`, `ngram` as shipped and `ngram` with no cap (`short_match_drafts={}`, every match
+drafts up to the policy's K) on the same prompts, paired per prompt (specdecode.bench.paired:
+order alternating, one warm-up pass), greedy by default, the default adaptive policy or, with
+`--k`, a fixed K (as a `num_speculative_tokens` setting would run it). Quiet machine needed
+(timing).
+
+Usage: python benchmarks/ngram_caps_ab.py --datasets code,chat,summarization,rag,math --limit 8 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench_train import cpu_kind  # benchmarks/ is the script's directory
+
+from specdecode.bench.paired import paired_rows, paired_runs, paired_table
+from specdecode.build import LoadOptions, build
+from specdecode.datasets import load_category
+from specdecode.drafters.ngram import SHORT_MATCH_DRAFTS
+from specdecode.models.loader import load_model
+from specdecode.training.regen import prompt_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--datasets", default="code,chat,summarization,rag,math")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--k", type=int, default=None, help="fixed K (default: the adaptive policy)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    target = load_model(a.target, dtype="auto")
+    decoders = {"ar": build(LoadOptions(target, "ar")).decoder}
+    policy = {} if a.k is None else {"policy": "fixed", "num_draft_tokens": a.k}
+    capped = build(LoadOptions(target, "ngram", **policy)).decoder
+    decoders["ngram, caps " + json.dumps(SHORT_MATCH_DRAFTS)] = capped
+    uncapped = build(LoadOptions(target, "ngram", **policy)).decoder
+    uncapped.drafter.caps = {}
+    decoders["ngram, no cap"] = uncapped
+    cats = a.datasets.split(",")
+    prompts = [(c, prompt_ids(target, r)) for c in cats for r in load_category(c, a.limit)]
+    rows = paired_rows(paired_runs(decoders, prompts, a.temperature, a.max_new_tokens, a.repeats), cats)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    cmd = "python benchmarks/ngram_caps_ab.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"
+    )
+    policy_text = f"fixed K {a.k}" if a.k else "default adaptive"
+    lines = [
+        f"# Prompt lookup's short-match caps: ngram on {a.target}",
+        "",
+        f"Machine: {cpu_kind()}. T = {a.temperature:g}, {a.max_new_tokens} new tokens, the first {a.limit} "
+        f"prompts of each category, {a.repeats} repeats after a warm-up, every decoder in one process "
+        f"(paired per prompt and repeat, order alternating), {policy_text} policy. Speed-up: median "
+        "over prompts of `ar`'s time per token over the decoder's; tau and drafts per step: means over "
+        "requests.",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        *paired_table(rows, "drafter"),
+    ]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Decoders paired per prompt in one process: the A/B runs behind the policy and drafter reports.
+
+Contract:
+- `paired_runs(decoders, prompts, temperature, max_new_tokens, repeats)` decodes every prompt
+  ((category, prompt ids) pairs) with every decoder in turn, the order reversed every repeat;
+  repeat 0 warms up and is not kept; the same seed per prompt and repeat for every decoder.
+  Returns {(decoder name, category): [(seconds per token, tau, drafts per step), ...]}.
+- `paired_rows(runs, categories, base)`: per category and decoder (all but `base`), the median
+  over prompts of `base`'s time per token over the decoder's (the paired speed-up), the mean tau
+  and the mean drafts per step.
+- `paired_table(rows, label)`: those rows as a markdown table, `label` naming the decoder column.
+Timing: run on a quiet machine; pairing per prompt keeps slow drifts of the host out of ratios.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+from specdecode.config import SamplingParams
+from specdecode.request import GenerationRequest
+
+
+def paired_runs(
+    decoders: dict,
+    prompts: list[tuple[str, list[int]]],
+    temperature: float,
+    max_new_tokens: int,
+    repeats: int,
+) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    runs = collections.defaultdict(list)
+    names = list(decoders)
+    for rep in range(repeats + 1):  # repeat 0 warms up
+        for i, (cat, ids) in enumerate(prompts):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                params = SamplingParams(temperature=temperature)
+                req = GenerationRequest(ids, params, max_new_tokens, seed=1000 * rep + i)
+                out = decoders[name].generate([req])[0]
+                if rep:
+                    steps = max(out.num_steps, 1)
+                    per_token = out.decode_time_s / out.num_new_tokens
+                    runs[(name, cat)].append((per_token, out.tau, out.num_drafted / steps))
+    return runs
+
+
+def paired_rows(runs: dict, categories: list[str], base: str = "ar") -> list[dict]:
+    names = list(dict.fromkeys(name for name, _ in runs))
+    rows = []
+    for cat in categories:
+        ref = runs[(base, cat)]
+        for name in names:
+            if name == base:
+                continue
+            got = runs[(name, cat)]
+            rows.append(
+                {
+                    "category": cat,
+                    "decoder": name,
+                    "speedup": statistics.median(b[0] / g[0] for b, g in zip(ref, got, strict=True)),
+                    "tau": statistics.mean(g[1] for g in got),
+                    "drafts": statistics.mean(g[2] for g in got),
+                }
+            )
+    return rows
+
+
+def paired_table(rows: list[dict], label: str) -> list[str]:
+    lines = [f"| category | {label} | speed-up over ar | tau | drafts / step |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['category']} | {r['decoder']} | {r['speedup']:.3f}x | {r['tau']:.2f} | {r['drafts']:.2f} |"
+        )
+    return lines
