@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
-from specdecode.bench.paired import paired_rows, paired_runs, paired_table
+from specdecode.bench.paired import paired_rows, paired_runs, write_paired_report
 from specdecode.build import LoadOptions, build
 from specdecode.datasets import load_category
 from specdecode.drafters.ngram import SHORT_MATCH_DRAFTS
@@ -51,27 +51,9 @@ def main() -> None:
     rows = paired_rows(paired_runs(decoders, prompts, a.temperature, a.max_new_tokens, a.repeats), cats)
     for r in rows:
         print(json.dumps(r), flush=True)
-    cmd = "python benchmarks/ngram_caps_ab.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"
-    )
-    policy_text = f"fixed K {a.k}" if a.k else "default adaptive"
-    lines = [
-        f"# Prompt lookup's short-match caps: ngram on {a.target}",
-        "",
-        f"Machine: {cpu_kind()}. T = {a.temperature:g}, {a.max_new_tokens} new tokens, the first {a.limit} "
-        f"prompts of each category, {a.repeats} repeats after a warm-up, every decoder in one process "
-        f"(paired per prompt and repeat, order alternating), {policy_text} policy. Speed-up: median "
-        "over prompts of `ar`'s time per token over the decoder's; tau and drafts per step: means over "
-        "requests.",
-        "",
-        f"Command: `{cmd}`",
-        "",
-        *paired_table(rows, "drafter"),
-    ]
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+    setting = f", {f'fixed K {a.k}' if a.k else 'default adaptive'} policy"
+    title = f"Prompt lookup's short-match caps: ngram on {a.target}"
+    write_paired_report(Path(a.out), title, "ngram_caps_ab.py", a, cpu_kind(), setting, rows, "drafter")
 
 
 if __name__ == "__main__":

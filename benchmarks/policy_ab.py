@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
-from specdecode.bench.paired import paired_rows, paired_runs, paired_table
+from specdecode.bench.paired import paired_rows, paired_runs, write_paired_report
 from specdecode.build import LoadOptions, build
 from specdecode.datasets import load_category
 from specdecode.models.loader import load_model
@@ -49,25 +49,8 @@ def main() -> None:
     rows = paired_rows(runs, cats)
     for r in rows:
         print(json.dumps(r), flush=True)
-    cmd = "python benchmarks/policy_ab.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"
-    )
-    lines = [
-        f"# The adaptive policy's memory for sampled requests: {a.method} on {a.target}",
-        "",
-        f"Machine: {cpu_kind()}. T = {a.temperature:g}, {a.max_new_tokens} new tokens, the first {a.limit} "
-        f"prompts of each category, {a.repeats} repeats after a warm-up, every decoder in one process "
-        "(paired per prompt and repeat, order alternating). Speed-up: median over prompts of `ar`'s "
-        "time per token over the decoder's; tau and drafts per step: means over requests.",
-        "",
-        f"Command: `{cmd}`",
-        "",
-        *paired_table(rows, "policy"),
-    ]
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+    title = f"The adaptive policy's memory for sampled requests: {a.method} on {a.target}"
+    write_paired_report(Path(a.out), title, "policy_ab.py", a, cpu_kind(), "", rows, "policy")
 
 
 if __name__ == "__main__":

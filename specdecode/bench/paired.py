@@ -9,13 +9,19 @@ Contract:
   over prompts of `base`'s time per token over the decoder's (the paired speed-up), the mean tau
   and the mean drafts per step.
 - `paired_table(rows, label)`: those rows as a markdown table, `label` naming the decoder column.
+- `write_paired_report(out, title, script, args, machine, setting, rows, label)`: `out`/report.md
+  (the title, the machine, the run's settings from `args` (temperature, max_new_tokens, limit,
+  repeats), `setting` appended to them, the command that reran it, the table) and results.json.
 Timing: run on a quiet machine; pairing per prompt keeps slow drifts of the host out of ratios.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 import statistics
+from pathlib import Path
 
 from specdecode.config import SamplingParams
 from specdecode.request import GenerationRequest
@@ -71,3 +77,33 @@ def paired_table(rows: list[dict], label: str) -> list[str]:
             f"| {r['category']} | {r['decoder']} | {r['speedup']:.3f}x | {r['tau']:.2f} | {r['drafts']:.2f} |"
         )
     return lines
+
+
+def write_paired_report(
+    out: Path,
+    title: str,
+    script: str,
+    args: argparse.Namespace,
+    machine: str,
+    setting: str,
+    rows: list[dict],
+    label: str,
+) -> None:
+    cmd = f"python benchmarks/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
+    )
+    lines = [
+        f"# {title}",
+        "",
+        f"Machine: {machine}. T = {args.temperature:g}, {args.max_new_tokens} new tokens, the first "
+        f"{args.limit} prompts of each category, {args.repeats} repeats after a warm-up, every decoder in "
+        f"one process (paired per prompt and repeat, order alternating){setting}. Speed-up: median over "
+        "prompts of `ar`'s time per token over the decoder's; tau and drafts per step: means over requests.",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        *paired_table(rows, label),
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")

@@ -55,3 +55,20 @@ def test_paired_rows_give_the_median_paired_speedup_per_category():
     )
     table = paired_table([row], "drafter")
     assert table[0].startswith("| category | drafter |") and table[2] == "| code | x | 1.000x | 2.00 | 2.00 |"
+
+
+def test_the_report_names_the_setting_and_the_command_that_reruns_it(tmp_path):
+    import argparse
+    import json
+
+    from specdecode.bench.paired import write_paired_report
+
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=96, limit=6, repeats=2, k=6, out="x")
+    row = {"category": "code", "decoder": "x", "speedup": 1.25, "tau": 1.5, "drafts": 1.0}
+    write_paired_report(tmp_path, "Title", "ab.py", args, "CPU", ", fixed K 6 policy", [row], "drafter")
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Title\n")
+    assert "order alternating), fixed K 6 policy. Speed-up" in text
+    cmd = "python benchmarks/ab.py --temperature 0.0 --max-new-tokens 96 --limit 6 --repeats 2 --k 6"
+    assert f"Command: `{cmd}`" in text and "| code | x | 1.250x | 1.50 | 1.00 |" in text
+    assert json.loads((tmp_path / "results.json").read_text()) == {"command": cmd, "rows": [row]}
