@@ -61,8 +61,8 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 
 # Most drafts a short match proposes (n -> tokens): on SmolLM2's answers a 1-token match's first
 # token is right 15-23 % of the time and a 2-token match's 37-41 %, against 72-87 % for 3 tokens
-# (benchmarks/results/ngram-ceiling-smollm2-135m-epyc-zen3); long drafts after them cost verify
-# time that the policy's one K, set by the good matches, would spend.
+# (benchmarks/results/ngram-ceiling-smollm2-135m-epyc-zen3): K drafts after them spend verify
+# time on tokens that are rarely accepted.
 SHORT_MATCH_DRAFTS = {1: 1, 2: 2}
 
 
@@ -351,7 +351,7 @@ class NgramDrafter(Drafter):
         self.tree, self.table = tree, table
         # prompt lookup's chains: the drafts a short match may propose (None: SHORT_MATCH_DRAFTS,
         # {}: no cap, every match up to K)
-        self.caps = SHORT_MATCH_DRAFTS if short_match_drafts is None else dict(short_match_drafts)
+        self.caps = dict(SHORT_MATCH_DRAFTS if short_match_drafts is None else short_match_drafts)
         if table is not None:
             self.name = "ngram-table-tree" if tree else "ngram-table"
 
