@@ -90,7 +90,7 @@ def write_paired_report(
     label: str,
 ) -> None:
     cmd = f"python benchmarks/{script} " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None
     )
     lines = [
         f"# {title}",

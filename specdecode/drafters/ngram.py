@@ -297,16 +297,23 @@ class NgramTable:
 
 
 def table_continuation(
-    tokens: np.ndarray, k: int, table: NgramTable, min_ngram: int, max_ngram: int
+    tokens: np.ndarray,
+    k: int,
+    table: NgramTable,
+    min_ngram: int,
+    max_ngram: int,
+    caps: dict[int, int] | None = None,
 ) -> np.ndarray:
     """Prompt lookup backed by a table: a match of n >= 2 tokens in the context first, else the
     table's walk, else a single-token match (a lone token repeats by chance more often than a
-    frequent context of the target's answers predicts)."""
-    c = lookup_continuation(tokens, k, max(2, min_ngram), max_ngram)
+    frequent context of the target's answers predicts); the context's matches cut to caps[n]
+    tokens (`capped_continuation`), the table's walk never."""
+    caps = caps or {}
+    c = capped_continuation(tokens, k, max(2, min_ngram), max_ngram, caps)
     if len(c) == 0:
         c = table.draft(tokens, k)
     if len(c) == 0 and min_ngram < 2:
-        c = lookup_continuation(tokens, k, min_ngram, 1)
+        c = capped_continuation(tokens, k, min_ngram, 1, caps)
     return c
 
 
@@ -367,7 +374,9 @@ class NgramDrafter(Drafter):
             if self.table is None:
                 conts.append(capped_continuation(ctx, k, self.min_ngram, self.max_ngram, self.caps))
             else:
-                conts.append(table_continuation(ctx, k, self.table, self.min_ngram, self.max_ngram))
+                conts.append(
+                    table_continuation(ctx, k, self.table, self.min_ngram, self.max_ngram, self.caps)
+                )
         max_k = max((len(c) for c in conts), default=0)
         draft_ids = torch.zeros(len(batch), max_k, dtype=torch.long)  # [B, K]
         for b, c in enumerate(conts):

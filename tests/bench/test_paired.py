@@ -63,7 +63,7 @@ def test_the_report_names_the_setting_and_the_command_that_reruns_it(tmp_path):
 
     from specdecode.bench.paired import write_paired_report
 
-    args = argparse.Namespace(temperature=0.0, max_new_tokens=96, limit=6, repeats=2, k=6, out="x")
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=96, limit=6, repeats=2, k=6, seed=None, out="x")
     row = {"category": "code", "decoder": "x", "speedup": 1.25, "tau": 1.5, "drafts": 1.0}
     write_paired_report(tmp_path, "Title", "ab.py", args, "CPU", ", fixed K 6 policy", [row], "drafter")
     text = (tmp_path / "report.md").read_text()

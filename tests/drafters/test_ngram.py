@@ -202,6 +202,12 @@ def test_table_continuation_prefers_the_context_then_the_table_then_one_token_ma
     assert table_continuation(np.array([5, 8, 4, 5]), 3, table, 1, 3).tolist() == [6, 7]
     # neither: the latest single-token match ([8] -> 3)
     assert table_continuation(np.array([8, 3, 1, 8]), 2, table, 1, 3).tolist() == [3, 1]
+    # with caps the context's short matches are cut, the table's walk is not
+    caps = {1: 1, 2: 2}
+    assert table_continuation(np.array([1, 2, 9, 4, 5, 1, 2]), 4, table, 1, 3).tolist() == [9, 4, 5, 1]
+    assert table_continuation(np.array([1, 2, 9, 4, 5, 1, 2]), 4, table, 1, 3, caps).tolist() == [9, 4]
+    assert table_continuation(np.array([8, 3, 1, 8]), 2, table, 1, 3, caps).tolist() == [3]
+    assert table_continuation(np.array([5, 8, 4, 5]), 3, table, 1, 3, {1: 1, 2: 1}).tolist() == [6, 7]
     d = NgramDrafter(table=table)
     rows = [DraftRow(0, [5, 8, 4, 5], SamplingParams(), torch.Generator())]
     prop = d.propose(rows, [3])
