@@ -13,7 +13,8 @@ verify pass checks every branch and keeps the longest accepted path. Still point
 when the context holds no match of n >= 2 tokens, the table's walk drafts instead: an n-gram
 model of the target's own regenerated answers (the most frequent next tokens after each frequent
 context of 4, 3 or 2 tokens, with their shares), built by `specdecode train ngram-table`
-(training/ngram_table.py). `ngram-table-tree` (`NgramDrafter(table=..., tree=True)`): the
+(training/ngram_table.py); the context's matches are capped as `ngram`'s, the table's walk is
+not. `ngram-table-tree` (`NgramDrafter(table=..., tree=True)`): the
 context's match and the table's continuations in one tree of at most K nodes (`table_tree`), the
 table's nodes best first by the product of shares along their path (`NgramTable.grow`, as an
 EAGLE-2 tree ranks by its drafter's probabilities). Still deterministic point masses: the output
