@@ -28,11 +28,10 @@ import argparse
 import itertools
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from bench_runtime import BLOCKS, _forward_ms, _setup  # benchmarks/ is the script's directory
 
 from specdecode import load
 from specdecode.bench.hardware import machine_info
@@ -42,8 +41,8 @@ from specdecode.request import GenerationRequest
 
 NGRAMS = (3, 2, 1)  # NgramDrafter's defaults: max_ngram 3 down to min_ngram 1
 RUN_CAP = 15  # accepted runs are counted up to this many tokens
-CONTEXT = 256
 T_TOKENS = (1, 2, 3, 4, 5, 6, 8, 11, 16)  # verify sizes timed; others interpolated
+assert max(T_TOKENS) <= max(BLOCKS)  # bench_runtime's cache holds them
 
 
 def position_matches(prompt: list[int], answer: list[int]) -> list[tuple[int, int, int]]:
@@ -99,19 +98,15 @@ def walk(seqs: list[list[tuple[int, int, int]]], drafts_for, cost: dict[int, flo
 
 
 def measure_cost(target, reps: int) -> dict[int, float]:
-    """T(k) / T(1) of one forward of k new tokens over a CONTEXT-token cache (medians)."""
+    """T(k) / T(1) of one forward of k new tokens over bench_runtime's 256-token cache (medians)."""
     model = target.model
-    cache = model.new_cache(1, CONTEXT + max(T_TOKENS) + 2)
-    ids = torch.randint(0, 1000, (1, CONTEXT + max(T_TOKENS)), generator=torch.Generator().manual_seed(0))
-    model.forward(ids[:, :CONTEXT], None, cache, [0], logits=False)
-    cache.commit(0, CONTEXT)
+    cache, ids = _setup(model)  # room for max(BLOCKS) = max(T_TOKENS) new tokens
     times: dict[int, list[float]] = {k: [] for k in T_TOKENS}
     for r in range(reps + 2):
         for k in T_TOKENS if r % 2 else T_TOKENS[::-1]:
-            t0 = time.perf_counter()
-            model.forward(ids[:, CONTEXT : CONTEXT + k], None, cache, [0])
+            ms = _forward_ms(model, cache, ids, k)
             if r >= 2:  # two warm-up passes
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(ms)
     t1 = statistics.median(times[1])
     return {k: statistics.median(v) / t1 for k, v in times.items()}
 

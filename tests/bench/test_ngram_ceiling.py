@@ -1,11 +1,14 @@
 """benchmarks/ngram_ceiling.py: the match records and the round-by-round walk behind its ceilings."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "ngram_ceiling.py"
+_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(_DIR))  # the script imports bench_runtime beside it
+_PATH = _DIR / "ngram_ceiling.py"
 _spec = importlib.util.spec_from_file_location("ngram_ceiling", _PATH)
 nc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(nc)
