@@ -81,24 +81,26 @@ class _Layer(nn.Module):
 class _Plan:
     """How one forward writes and reads the cache; built on the host before the layer loop.
 
-    Per-layer views are cut from the cache buffer once per forward (one `unbind` each), so the
-    layer loop itself does no indexing. Exactly one of k_dst / k_all and one of k_src / k_span is set.
+    The common case (contiguous slots) keeps two views of the cache buffer, `dst` and `src`, over
+    all layers: `decode_layers` takes them whole, the Python layer loop indexes them per layer.
+    The others cut per-layer views once per forward (one `unbind` each). Exactly one of dst / k_all
+    and one of src / k_span is set.
     """
 
     s0: int | None  # first slot when the slots are a contiguous range, else None
     slot_idx: torch.Tensor | None  # [B] long (scatter writes; reads by slot or gathered)
     rows: torch.Tensor | None  # [B, N] long write rows; padded rows past the end go to the scratch row
     mask: torch.Tensor | None  # [B|1, 1, G*N, span] bool; None = every query sees all span rows
-    k_dst: tuple | None = None  # layer -> [B, N, Hk, D] destination view (contiguous slots, equal lengths)
-    v_dst: tuple | None = None
+    # [2, layers, B, N, Hk, D]: where the new keys (dst[0, i]) and values (dst[1, i]) of layer i
+    # go (contiguous slots, equal lengths), a view of the cache buffer
+    dst: torch.Tensor | None = None
     k_all: tuple | None = None  # layer -> [S, R, Hk, D] whole-cache view for index_put_
     v_all: tuple | None = None
-    k_src: tuple | None = None  # layer -> [B, Hk, span, D] view read by attention
-    v_src: tuple | None = None
+    src: torch.Tensor | None = None  # [2, layers, B, Hk, span, D] view read by attention
     k_span: tuple | None = None  # layer -> [S, Hk, span, D]: read by slot_idx (our kernel) or gathered
     v_span: tuple | None = None
     # Window mode: attention runs over the contiguous slot range [lo, lo + R) read in place
-    # (k_src/v_src), the B queries scattered to their rows, gaps getting dummy queries.
+    # (src), the B queries scattered to their rows, gaps getting dummy queries.
     window: torch.Tensor | None = None  # [B] long: row of each request in the range
     window_size: int = 0  # R
     # Fresh causal prefill (every slot empty, contiguous, no tree): SDPA with is_causal over the
@@ -313,10 +315,10 @@ class NativeDecoder(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         ops = self._fused
         whole = self._whole_layers(groups, x.shape[0]) if ops is not None else None
-        for i, w in enumerate(self._flat):
-            if whole is not None:  # the layer in one call (kernels' decode_layer), same result
-                x = whole(i, x, cs)
-            elif ops is None:
+        if whole is not None:  # every layer in one call (kernels' decode_layers), same result
+            x, hidden = whole(x, cs, [c for c in capture if c != FINAL_NORM])
+        for i, w in enumerate(self._flat if whole is None else ()):
+            if ops is None:
                 x = self._layer(w, x, cs, groups, i)
             else:
                 x = self._layer_fused(ops, w, x, cs, groups, i)
@@ -410,37 +412,57 @@ class NativeDecoder(nn.Module):
         return x + down_proj(ops.silu_mul(gu_proj(h)))
 
     def _whole_layers(self, groups: list[_Group], T: int):
-        """`(i, x, cs) -> x` running layer i as one `decode_layer` call, when this forward is the
-        case it covers (one group on contiguous slots of equal lengths, read in place; attention
-        by our kernel; no per-head q/k norm; every product of T rows one of our kernels without
-        an output bias), else None. Same functions in the same order as `_layer_fused`."""
+        """`(x, cs, capture) -> (x, {layer: x})` running every layer in one `decode_layers` call
+        (kernels' decode_layer a layer, looped in C++), when this forward is the case it covers
+        (one group on contiguous slots of equal lengths, read in place; attention by our kernel;
+        no per-head q/k norm; every product of T rows one of our kernels without an output
+        bias), else None. Same functions in the same order as `_layer_fused`."""
         g = groups[0]
         p = g.plan
-        if len(groups) > 1 or p.k_dst is None or p.k_src is None or p.window is not None:
+        if len(groups) > 1 or p.dst is None or p.src is None or p.window is not None:
             return None
-        if g.N > FUSED_ATTENTION_ROWS or (p.causal and g.N > 1) or not hasattr(self._fused, "decode_layer"):
+        if g.N > FUSED_ATTENTION_ROWS or (p.causal and g.N > 1) or not hasattr(self._fused, "decode_layers"):
             return None
         bucket = bucket_of(T)
         args = self._layer_args.get(bucket)
         if args is None:
-            args = []
+            ws, ns, bs = [], [], []
             for ln1, qkv, qk_norm, o, ln2, gu, down in self._flat:
                 prods = layer_products(qkv, o, ln2, gu, down, T)
                 if qk_norm is not None or prods is None:
                     args = False  # cached too: the Python layer serves this bucket
                     break
-                args.append((ln1, *prods))
+                kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd = prods
+                ws += [ln1, pq, po, ln2, pg, pd]
+                ns += [kq, nq, ko, no, kg, ng, kd, nd]
+                bs.append(bq)
+            else:
+                args = (ws, ns, bs)
             self._layer_args[bucket] = args
         if args is False:
             return None
-        s, call = self.spec, self._fused.decode_layer
-        eps, H, Hk, D = s.rms_norm_eps, s.num_heads, s.num_kv_heads, s.head_dim
+        s, call = self.spec, self._fused.decode_layers
+        ws, ns, bs = args
 
-        def layer(i: int, x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-            kd, vd, ks, vs = p.k_dst[i], p.v_dst[i], p.k_src[i], p.v_src[i]
-            return call(x, *args[i], cs, kd, vd, ks, vs, p.mask, eps, H, Hk, D)
+        def layers(x: torch.Tensor, cs: torch.Tensor, capture: list[int]) -> tuple[torch.Tensor, dict]:
+            out = call(
+                x,
+                ws,
+                ns,
+                bs,
+                cs,
+                p.dst,
+                p.src,
+                p.mask,
+                s.rms_norm_eps,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                capture,
+            )
+            return out[0], dict(zip(capture, out[1:], strict=True))
 
-        return layer
+        return layers
 
     def _attend_groups(self, groups: list[_Group], i: int, q, k, v, attend_for) -> torch.Tensor:
         """Attention of each group over its own slots: q [T, H, D], k, v [T, Hk, D] -> [T, H*D]."""
@@ -470,16 +492,16 @@ class NativeDecoder(nn.Module):
         s = self.spec
         H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         G = H // Hk
-        if plan.k_dst is not None:
-            plan.k_dst[i].copy_(k)
-            plan.v_dst[i].copy_(v)
+        if plan.dst is not None:
+            plan.dst[0, i].copy_(k)
+            plan.dst[1, i].copy_(v)
         else:
             idx = (plan.slot_idx.unsqueeze(1), plan.rows)
             plan.k_all[i].index_put_(idx, k.to(plan.k_all[i].dtype))
             plan.v_all[i].index_put_(idx, v.to(plan.v_all[i].dtype))
-        by_slot = plan.k_src is None and attend is not _sdpa
-        if plan.k_src is not None:
-            keys, values = plan.k_src[i], plan.v_src[i]  # [B, Hk, span, D] views
+        by_slot = plan.src is None and attend is not _sdpa
+        if plan.src is not None:
+            keys, values = plan.src[0, i], plan.src[1, i]  # [B, Hk, span, D] views
         elif by_slot:  # our kernel reads row b's slot slot_idx[b] of the whole cache in place
             keys, values = plan.k_span[i], plan.v_span[i]  # [S, Hk, span, D]
         else:
@@ -533,7 +555,7 @@ class NativeDecoder(nn.Module):
             dst = kv[:, :, slot_list[0] : slot_list[0] + B, :, L : L + N].transpose(
                 -2, -3
             )  # [2, ly, B, N, Hk, D]
-            plan.k_dst, plan.v_dst = dst[0].unbind(0), dst[1].unbind(0)
+            plan.dst = dst
         else:
             lens_t = torch.tensor(lens, device=dev)
             plan.slot_idx = torch.tensor(slot_list, device=dev)
@@ -544,12 +566,12 @@ class NativeDecoder(nn.Module):
         by_slot = self._fused is not None and N <= FUSED_ATTENTION_ROWS  # our kernel reads slots in place
         if contiguous:
             src = kv[:, :, slot_list[0] : slot_list[0] + B, :, :span]  # [2, layers, B, Hk, span, D]
-            plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+            plan.src = src
         elif not by_slot and hi - lo + 1 <= WINDOW_FACTOR * B:
             # SDPA: reading the slots' range in place (with dummy queries for the gaps) beats
             # copying every row of every layer's K/V (index_select) unless the range is mostly gaps.
             src = kv[:, :, lo : hi + 1, :, :span]  # [2, layers, R, Hk, span, D]
-            plan.k_src, plan.v_src = src[0].unbind(0), src[1].unbind(0)
+            plan.src = src
             plan.window = torch.tensor([x - lo for x in slot_list], device=dev)
             plan.window_size = hi - lo + 1
         else:  # our kernel reads each row's slot where it lies (no copy, no dummy rows); SDPA gathers

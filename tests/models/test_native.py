@@ -257,7 +257,7 @@ def test_decode_step_plan_is_lean(tiny_llama_dir):
     cache.commit(1, 3)
     cache.commit(2, 3)
     plan = model._plan(2, 1, cache, [1, 2], None, None)
-    assert plan.mask is None and plan.s0 == 1 and plan.k_dst is not None  # views, no mask
+    assert plan.mask is None and plan.s0 == 1 and plan.dst is not None  # views, no mask
     plan = model._plan(2, 1, cache, [2, 1], None, None)
     if model._fused is not None:  # our kernel reads each row's slot in place: no copy, no dummy rows
         assert plan.s0 is None and plan.window is None and plan.slot_idx.tolist() == [2, 1]

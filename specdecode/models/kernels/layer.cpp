@@ -12,6 +12,14 @@
 // `q_norm` / `k_norm` (both or neither): per-head RMSNorm weights applied to every head of q and
 // of k before RoPE (the drafters' Qwen3-style layer, as their `FusedRMSNorm` modules do it).
 //
+// decode_layers(x [T, d], w, n, qkv_b, cs, dst [2, L, B, N, Hk, D], src [2, L, B, Hk, span, D],
+//               mask, eps, H, Hk, D, capture) -> [x after layer L - 1, then x after each layer
+// of `capture` in its order]: decode_layer for layers 0..L-1 in turn, layer i's products and norms
+// w[6i..6i+6) = (ln1, qkv packed, o packed, ln2, gu packed, down packed), n[8i..8i+8) = (qkv kind, n,
+// o kind, n, gu kind, n, down kind, n), qkv_b[i] its QKV bias, its cache views dst[0][i], dst[1][i]
+// (new keys, values) and src[0][i], src[1][i] (what attention reads). The same calls in the same
+// order as one decode_layer call a layer (the Python loop over layers), so the same result bit for
+// bit; what goes is that loop's interpreter and dispatcher time and its per-layer views.
 // eagle_chain(state [1, d], K, head, ...) -> [K] draft ids: EAGLE-3's greedy chain of one request
 // (head product, argmax over the ids not `off`, embed, decode_layer), and
 // eagle_chain_sampled(..., uniforms [K], temperature) -> ([K] ids, q [K, Vd]): draft j drawn from
@@ -104,6 +112,34 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   // 3. output product, residual add and the MLP's norm in one pass; SiLU MLP with fused gate/up
   const auto xh = add_rms_norm(x, product(o_kind, o, o_p, o_n, none), ln2, eps);
   return xh[0] + product(down_kind, silu_mul(product(gu_kind, xh[1], gu_p, gu_n, none)), down_p, down_n, none);
+}
+
+std::vector<torch::Tensor> decode_layers(const torch::Tensor& x, at::TensorList w, at::IntArrayRef n,
+                                         const c10::List<c10::optional<torch::Tensor>>& qkv_b,
+                                         const torch::Tensor& cs, const torch::Tensor& dst, const torch::Tensor& src,
+                                         const c10::optional<torch::Tensor>& mask, double eps, int64_t H, int64_t Hk,
+                                         int64_t D, at::IntArrayRef capture) {
+  const int64_t L = static_cast<int64_t>(qkv_b.size());
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 6 * L && static_cast<int64_t>(n.size()) == 8 * L,
+              "w must hold 6 tensors and n 8 ints per layer (qkv_b one entry per layer)");
+  TORCH_CHECK(dst.dim() == 6 && src.dim() == 6 && dst.size(0) == 2 && src.size(0) == 2 && dst.size(1) == L &&
+                  src.size(1) == L,
+              "dst must be [2, L, B, N, Hk, D] and src [2, L, B, Hk, span, D] for the L layers");
+  for (const int64_t c : capture) TORCH_CHECK(0 <= c && c < L, "capture holds layers 0..", L - 1, ", got ", c);
+  const c10::optional<torch::Tensor> none;
+  std::vector<torch::Tensor> out(1 + capture.size());
+  torch::Tensor h = x;
+  for (int64_t i = 0; i < L; ++i) {
+    const torch::Tensor* wi = w.data() + 6 * i;
+    const int64_t* ni = n.data() + 8 * i;
+    h = decode_layer(h, wi[0], ni[0], wi[1], ni[1], qkv_b.get(i), ni[2], wi[2], ni[3], wi[3], ni[4], wi[4], ni[5],
+                     ni[6], wi[5], ni[7], cs, dst[0][i], dst[1][i], src[0][i], src[1][i], mask, eps, H, Hk, D, none,
+                     none, none);
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == i) out[1 + c] = h;
+  }
+  out[0] = h;
+  return out;
 }
 
 // EAGLE-3's greedy chain for one request: K draft ids of the draft vocabulary, x_j the first
@@ -269,6 +305,9 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "head_draft(Tensor state, Tensor norm_w, float eps, int head_kind, Tensor head_p, int head_n, Tensor? off, "
       "float uniform, float temperature) -> (Tensor, Tensor)");
   m.def(
+      "decode_layers(Tensor x, Tensor[] w, int[] n, Tensor?[] qkv_b, Tensor cs, Tensor(a!) dst, Tensor src, "
+      "Tensor? mask, float eps, int H, int Hk, int D, int[] capture) -> Tensor[]");
+  m.def(
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
       "int down_n, Tensor cs, Tensor(a!) k_dst, Tensor(b!) v_dst, Tensor k_src, Tensor v_src, Tensor? mask, "
@@ -277,6 +316,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
   m.impl("eagle_chain", &eagle_chain);
   m.impl("eagle_chain_sampled", &eagle_chain_sampled);
   m.impl("mtp_module", &mtp_module);
