@@ -44,6 +44,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -78,6 +79,45 @@ torch::Tensor product(int64_t kind, const torch::Tensor& x, const torch::Tensor&
   }
 }
 
+
+// dst [B, N, Hk, D] (any strides; fp32, or bf16 rounded to nearest even as copy_ rounds) <- the
+// Hk * D columns of qkv [T, C] (T = B * N rows, fp32, unit column stride) from column c0 on: the
+// cache write of new keys or values, without a TensorIterator's set-up per call.
+void write_rows(const torch::Tensor& qkv, int64_t c0, torch::Tensor& dst) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "qkv must be fp32 with unit column stride");
+  const int64_t B = dst.size(0), N = dst.size(1), Hk = dst.size(2), D = dst.size(3), ld = qkv.stride(0);
+  const float* src = qkv.data_ptr<float>() + c0;
+  const bool bf16 = dst.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || dst.scalar_type() == torch::kFloat32, "the cache must be fp32 or bf16");
+  const auto st = dst.strides();
+  char* base = static_cast<char*>(dst.data_ptr());
+  const int64_t es = dst.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < Hk; ++h) {
+        const float* x = src + (b * N + n) * ld + h * D;
+        char* row = base + (b * st[0] + n * st[1] + h * st[2]) * es;
+        if (bf16) {
+          auto* o = reinterpret_cast<c10::BFloat16*>(row);
+          for (int64_t e = 0; e < D; ++e) o[e * st[3]] = c10::BFloat16(x[e]);
+        } else if (st[3] == 1) {
+          std::memcpy(row, x, D * sizeof(float));
+        } else {
+          auto* o = reinterpret_cast<float*>(row);
+          for (int64_t e = 0; e < D; ++e) o[e * st[3]] = x[e];
+        }
+      }
+}
+
+// y += x, both [T, d] fp32 contiguous (the layer's residual add, in place on the down product's
+// fresh output).
+void add_into(torch::Tensor& y, const torch::Tensor& x) {
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && y.sizes() == x.sizes(), "y and x must be contiguous, same shape");
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t n = y.numel();
+  for (int64_t i = 0; i < n; ++i) yp[i] += xp[i];
+}
 }  // namespace
 
 // These ops serve inference only (the runtime and the drafters call them under no_grad; training
@@ -111,13 +151,15 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& ln1, int
   rope_(qkv, cs, H + Hk);
   const auto q = qkv.narrow(1, 0, H * D).view({B, N, H, D});
   // 2. cache write, then attention over the span with the G heads of a KV head as rows
-  k_dst.copy_(qkv.narrow(1, H * D, Hk * D).view({B, N, Hk, D}));
-  v_dst.copy_(qkv.narrow(1, (H + Hk) * D, Hk * D).view({B, N, Hk, D}));
+  write_rows(qkv, H * D, k_dst);
+  write_rows(qkv, (H + Hk) * D, v_dst);
   // the G query heads of a KV head and the N tokens are its rows g * N + n, read where they lie
   const auto o = attention_tokens(q, k_src, v_src, mask).view({B * N, H * D});
   // 3. output product, residual add and the MLP's norm in one pass; SiLU MLP with fused gate/up
   const auto xh = add_rms_norm(x, product(o_kind, o, o_p, o_n, none), ln2, eps);
-  return xh[0] + product(down_kind, silu_mul(product(gu_kind, xh[1], gu_p, gu_n, none)), down_p, down_n, none);
+  auto y = product(down_kind, silu_mul(product(gu_kind, xh[1], gu_p, gu_n, none)), down_p, down_n, none);
+  add_into(y, xh[0]);  // the residual: y + x is x + y bit for bit
+  return y;
 }
 
 std::vector<torch::Tensor> decode_layers(const torch::Tensor& x, at::TensorList w, at::IntArrayRef n,
