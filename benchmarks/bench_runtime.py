@@ -7,9 +7,9 @@ target is loaded and measured in one process, formats interleaved per repeat so 
 noise hits them alike:
 - T(N): median ms of one forward of N new tokens (batch 1) over a 256-token cache, N = 1..16,
   and T(8)/T(1), the price of verifying 7 drafts;
-- the split of T(1) and T(8) into matrix products, attention, whole layers run as one call
-  (`decode_layer`: products, attention and norms inside) and everything else (torch.profiler
-  self CPU time by op name); with `auto` also the row `auto, Python layers`: the same model
+- the split of T(1) and T(8) into matrix products, attention, the layers run in one call
+  (`decode_layers`: every layer's products, attention and norms) and everything else
+  (torch.profiler self CPU time by op name); with `auto` also the row `auto, Python layers`: the same model
   with every layer run op by op from Python, which shows the split inside the layers;
 - the bandwidth ceiling of the format: bytes the products read per one-token step / memory
   bandwidth measured here (a large copy), and T(1) as a fraction of it;
@@ -41,7 +41,7 @@ MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weig
               "_weight_int4pack_mm_for_cpu", "matmul", "bmm", "bf16w_linear", "bf16amx_linear",
               "bf16dp_linear")  # fmt: skip
 ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention", "attention")
-PY_LAYERS = "auto, Python layers"  # the auto model with decode_layer switched off
+PY_LAYERS = "auto, Python layers"  # the auto model with decode_layers switched off
 
 
 def _python_layers(model, on: bool) -> None:
@@ -116,7 +116,7 @@ def _split(model, cache, ids, n: int, reps: int = 5) -> dict:
     for ev in prof.key_averages():
         name = ev.key.split("::")[-1]
         ms = ev.self_cpu_time_total / 1e3 / reps
-        if name == "decode_layer":
+        if name in ("decode_layer", "decode_layers"):
             out["one-call layers"] += ms
         elif name in MATMUL_OPS:
             out["products"] += ms
@@ -291,9 +291,9 @@ def report(meta: dict, res: dict) -> str:
         )
     lines += [
         "",
-        "One-call layers: `decode_layer` (models/kernels/layer.cpp), a whole decoder layer whose "
-        "products, attention and norms are called from C++; `auto, Python layers` is the same model "
-        "with each layer run op by op, which shows the split inside.",
+        "One-call layers: `decode_layers` (models/kernels/layer.cpp), every decoder layer of the "
+        "forward in one call whose products, attention and norms are called from C++; `auto, Python "
+        "layers` is the same model with each layer run op by op, which shows the split inside.",
     ]
     auto = res.get("auto", {}).get("auto_record", {})
     if auto.get("ms_per_forward"):
