@@ -48,6 +48,28 @@ def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
     _check_product(ops.bf16w_pack, ops.bf16w_linear, m, n, k, lambda x: x, rows_alone=(m - 1,))
 
 
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_bf16w_gives_the_same_product_whatever_the_threads_and_their_shares(ops, m):
+    """Products of 2+ rows hand sweeps of blocks to the threads as they ask (each owns a run and
+    takes the last of another's when done): every block computed once, the same way, so the
+    result is bit for bit the same at 1, 2 and 3 threads and repeated calls, and it is the product."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 16 * 6 * 7 + 5, 64  # 43 blocks of 16 outputs: 8 sweeps, the last one short
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    packed = ops.bf16w_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs += [ops.bf16w_linear(x, packed, n, None) for _ in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0], x @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=gen)[::2]  # rows with a stride: copied, not misread

@@ -18,8 +18,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "products.h"
 
@@ -29,6 +31,24 @@ constexpr int64_t PB = 16;  // output rows per packed block
 constexpr int64_t PF = 96;     // prefetch distance, steps of k (3 KiB; 32 left 4-row passes waiting)
 constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-2):
                               // 6 x 16 x K bf16, 288 KiB at K = 1536, stay in a core's L2
+
+// A run of sweeps [front, back) shared by its owner, which takes from the front, and the other
+// threads, which take from the back once their own runs are done: both ends in one atomic word.
+struct alignas(64) SweepRun {  // a cache line each: the owners' updates must not collide
+  std::atomic<uint64_t> fb{0};  // front in the low 32 bits, back in the high 32
+  void reset(int64_t front, int64_t back) { fb.store(static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(front)); }
+  int64_t take(bool front) {  // the sweep taken, or -1 when the run is empty
+    uint64_t cur = fb.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = cur & 0xffffffffu, b = cur >> 32;
+      if (f >= b) return -1;
+      const uint64_t next = front ? (b << 32 | (f + 1)) : ((b - 1) << 32 | f);
+      if (fb.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return static_cast<int64_t>(front ? f : b - 1);
+    }
+  }
+  int64_t take_front() { return take(true); }
+  int64_t take_back() { return take(false); }
+};
 
 template <int MT, int NB>
 inline void ptile(const float* x, int64_t K, const uint16_t* p, float* out) {
@@ -116,25 +136,48 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& P, int6
   float* yp = y.data_ptr<float>();
   torch::Tensor bc;
   const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
-  at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
-    // SWEEP blocks at a time against every row: a block comes from memory once per call and
-    // from L1/L2 for the next rows (rows past 4 used to stream the thread's whole range again)
-    for (int64_t c0 = b0; c0 < b1; c0 += SWEEP) {
-      const int64_t c1 = std::min(b1, c0 + SWEEP);
-      int64_t m = 0;
-      // 6 rows: 12 accumulators + 2 weight vectors + a broadcast fill AVX2's 16 registers;
-      // more would spill and cost more than a second pass over blocks still in L1/L2
-      for (; m + 6 <= M; m += 6) prange<6, 1>(xp + m * K, K, pp, bp, yp + m * N, N, c0, c1);
-      const float* xr = xp + m * K;
-      float* yr = yp + m * N;
-      switch (M - m) {
-        case 5: prange<5, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
-        case 4: prange<4, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
-        case 3: prange<3, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
-        case 2: prange<2, 2>(xr, K, pp, bp, yr, N, c0, c1); break;
-        case 1: prange<1, 2>(xr, K, pp, bp, yr, N, c0, c1); break;  // 2 streams beat 1 and 3
-        default: break;
-      }
+  // The rows against blocks [c0, c1): SWEEP blocks at a time against every row, so a block comes
+  // from memory once per call and from L1/L2 for the next rows.
+  const auto sweep = [&](int64_t c0, int64_t c1) {
+    int64_t m = 0;
+    // 6 rows: 12 accumulators + 2 weight vectors + a broadcast fill AVX2's 16 registers;
+    // more would spill and cost more than a second pass over blocks still in L1/L2
+    for (; m + 6 <= M; m += 6) prange<6, 1>(xp + m * K, K, pp, bp, yp + m * N, N, c0, c1);
+    const float* xr = xp + m * K;
+    float* yr = yp + m * N;
+    switch (M - m) {
+      case 5: prange<5, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
+      case 4: prange<4, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
+      case 3: prange<3, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
+      case 2: prange<2, 2>(xr, K, pp, bp, yr, N, c0, c1); break;
+      case 1: prange<1, 2>(xr, K, pp, bp, yr, N, c0, c1); break;  // 2 streams beat 1 and 3
+      default: break;
+    }
+  };
+  // One row is bound by memory, which both cores share: each thread takes an equal run of blocks
+  // (a sweep of its own over them in turn). With 2+ rows each thread owns an equal run of sweeps
+  // and takes them from its front, streaming its own contiguous memory as the fixed split does,
+  // and a thread done with its own takes the last sweeps left in another's run: the two cores of
+  // a shared machine often run at different speeds for seconds at a time (on a 2-core Zen 3 one
+  // thread's share of an 8-row product took 1.35x the other's), and with a fixed split the faster
+  // one would wait. (For one row the shared runs cost ~1 % of a forward: the fixed split stays.)
+  // Every block's outputs are computed the same way whichever thread takes it.
+  if (M == 1) {
+    at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t c0 = b0; c0 < b1; c0 += SWEEP) sweep(c0, std::min(b1, c0 + SWEEP));
+    });
+    return y;
+  }
+  const int64_t chunks = (nb + SWEEP - 1) / SWEEP;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  std::vector<SweepRun> runs(nt);
+  for (int64_t t = 0; t < nt; ++t) runs[t].reset(chunks * t / nt, chunks * (t + 1) / nt);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t c;
+      while ((c = runs[t].take_front()) >= 0) sweep(c * SWEEP, std::min(nb, (c + 1) * SWEEP));
+      for (int64_t o = 1; o < nt; ++o)
+        while ((c = runs[(t + o) % nt].take_back()) >= 0) sweep(c * SWEEP, std::min(nb, (c + 1) * SWEEP));
     }
   });
   return y;
