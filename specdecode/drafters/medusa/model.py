@@ -43,5 +43,7 @@ class Medusa(ReducedHead, nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] final normed target states -> [..., K, Vd] logits of heads 1..K."""
-        outs = [self.head(F.silu(blk(h)) + h) for blk in self.blocks]
-        return torch.stack(outs, dim=-2)
+        x = torch.stack([F.silu(blk(h)) + h for blk in self.blocks], dim=-2)  # [..., K, d]
+        # one head product over the K rows: at inference the shared head's weight is read once a
+        # round, not once a head (the K rows are memory-bound alike)
+        return self.head(x)  # [..., K, Vd]
