@@ -639,7 +639,7 @@ class NativeDecoder(nn.Module):
             for w in self.layers
         ]
         self._head = Linear(self.lm_head_weight(), None, plan)
-        self._layer_args: dict[int, list | bool] = {}  # bucket -> decode_layer's weights per layer
+        self._layer_args: dict[int, tuple | bool] = {}  # bucket -> decode_layers' weights and ints
         self.info = replace(self.info, format=plan.name)
         cpu_fp32 = plan.act_dtype == torch.float32 and self.embed_tokens.device.type == "cpu"
         self._fused = kernels.fused() if cpu_fp32 else None  # None: the stock-PyTorch layer

@@ -18,6 +18,7 @@ Contract:
     same result bit for bit; chosen by timing both when the extension loads, `choices`);
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
+    `decode_layers` (every layer of a forward: decode_layer a layer, looped in C++),
     and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
     (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions),
     `mtp_module` (an MTP module's input product and block over its new rows) and `head_draft`
