@@ -79,7 +79,6 @@ torch::Tensor product(int64_t kind, const torch::Tensor& x, const torch::Tensor&
   }
 }
 
-
 // dst [B, N, Hk, D] (any strides; fp32, or bf16 rounded to nearest even as copy_ rounds) <- the
 // Hk * D columns of qkv [T, C] (T = B * N rows, fp32, unit column stride) from column c0 on: the
 // cache write of new keys or values, without a TensorIterator's set-up per call.
@@ -118,6 +117,7 @@ void add_into(torch::Tensor& y, const torch::Tensor& x) {
   const int64_t n = y.numel();
   for (int64_t i = 0; i < n; ++i) yp[i] += xp[i];
 }
+
 }  // namespace
 
 // These ops serve inference only (the runtime and the drafters call them under no_grad; training
