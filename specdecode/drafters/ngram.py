@@ -39,6 +39,11 @@ from specdecode.tree import TokenTree
 def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator[int]:
     """Where the continuations of the earlier matches of the trailing n-gram start: longest n
     first, the most recent match first (lazily: a shorter n is searched only when asked)."""
+    return (start for _, start in _matches(tokens, min_ngram, max_ngram))
+
+
+def _matches(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator[tuple[int, int]]:
+    """`match_starts` with each match's length: (n, start)."""
     n_tok = len(tokens)
     if n_tok < 2:
         return
@@ -51,13 +56,19 @@ def match_starts(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> Iterator
         for j in range(1, n):
             ok &= tokens[e - j] == tokens[n_tok - 1 - j]
         for hit in e[ok][::-1].tolist():
-            yield hit + 1  # the token after the match
+            yield n, hit + 1  # the token after the match
 
 
-def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> np.ndarray:
-    """Tokens that followed the latest earlier match of the trailing n-gram; longest n first."""
-    start = next(match_starts(tokens, min_ngram, max_ngram), None)
-    return tokens[:0] if start is None else tokens[start : start + k]
+def lookup_continuation(
+    tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int, caps: dict[int, int] | None = None
+) -> np.ndarray:
+    """Tokens that followed the latest earlier match of the trailing n-gram; longest n first; at
+    most caps[n] of them after a match of n tokens (`caps` None or without n: k)."""
+    first = next(_matches(tokens, min_ngram, max_ngram), None)
+    if first is None:
+        return tokens[:0]
+    n, start = first
+    return tokens[start : start + min(k, (caps or {}).get(n, k))]
 
 
 # Most drafts a short match proposes (n -> tokens): on SmolLM2's answers a 1-token match's first
@@ -65,17 +76,6 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: i
 # (benchmarks/results/ngram-ceiling-smollm2-135m-epyc-zen3): K drafts after them spend verify
 # time on tokens that are rarely accepted.
 SHORT_MATCH_DRAFTS = {1: 1, 2: 2}
-
-
-def capped_continuation(
-    tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int, caps: dict[int, int]
-) -> np.ndarray:
-    """`lookup_continuation` (the same match), cut to caps[n] tokens for a match of n tokens."""
-    for n in range(max_ngram, min_ngram - 1, -1):
-        start = next(match_starts(tokens, n, n), None)
-        if start is not None:
-            return tokens[start : start + min(k, caps.get(n, k))]
-    return tokens[:0]
 
 
 TREE_DEPTH = 8  # tokens of each match's continuation a tree holds at most
@@ -308,13 +308,12 @@ def table_continuation(
     """Prompt lookup backed by a table: a match of n >= 2 tokens in the context first, else the
     table's walk, else a single-token match (a lone token repeats by chance more often than a
     frequent context of the target's answers predicts); the context's matches cut to caps[n]
-    tokens (`capped_continuation`), the table's walk never."""
-    caps = caps or {}
-    c = capped_continuation(tokens, k, max(2, min_ngram), max_ngram, caps)
+    tokens (`lookup_continuation`'s caps), the table's walk never."""
+    c = lookup_continuation(tokens, k, max(2, min_ngram), max_ngram, caps)
     if len(c) == 0:
         c = table.draft(tokens, k)
     if len(c) == 0 and min_ngram < 2:
-        c = capped_continuation(tokens, k, min_ngram, 1, caps)
+        c = lookup_continuation(tokens, k, min_ngram, 1, caps)
     return c
 
 
@@ -373,7 +372,7 @@ class NgramDrafter(Drafter):
                 continue
             ctx = np.asarray(row.token_ids[-self.max_context :], dtype=np.int64)
             if self.table is None:
-                conts.append(capped_continuation(ctx, k, self.min_ngram, self.max_ngram, self.caps))
+                conts.append(lookup_continuation(ctx, k, self.min_ngram, self.max_ngram, self.caps))
             else:
                 conts.append(
                     table_continuation(ctx, k, self.table, self.min_ngram, self.max_ngram, self.caps)

@@ -9,7 +9,6 @@ from specdecode.drafters.ngram import (
     SHORT_MATCH_DRAFTS,
     NgramDrafter,
     NgramTable,
-    capped_continuation,
     context_keys,
     lookup_continuation,
     lookup_tree,
@@ -77,10 +76,10 @@ def test_short_matches_propose_fewer_drafts():
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 6), st.integers(0, 3), st.integers(0, 3))
-def test_capped_continuation_is_the_same_match_cut_to_its_cap(toks, k, cap1, cap2):
+def test_capped_lookup_is_the_same_match_cut_to_its_cap(toks, k, cap1, cap2):
     t = np.array(toks, dtype=np.int64)
     full = lookup_continuation(t, k, 1, 3)
-    got = capped_continuation(t, k, 1, 3, {1: cap1, 2: cap2})
+    got = lookup_continuation(t, k, 1, 3, {1: cap1, 2: cap2})
     n = next((n for n in (3, 2, 1) if next(match_starts(t, n, n), None) is not None), None)
     assert got.tolist() == full[: {1: cap1, 2: cap2}.get(n, k)].tolist()
 
