@@ -317,13 +317,14 @@ class NativeDecoder(nn.Module):
         whole = self._whole_layers(groups, x.shape[0]) if ops is not None else None
         if whole is not None:  # every layer in one call (kernels' decode_layers), same result
             x, hidden = whole(x, cs, [c for c in capture if c != FINAL_NORM])
-        for i, w in enumerate(self._flat if whole is None else ()):
-            if ops is None:
-                x = self._layer(w, x, cs, groups, i)
-            else:
-                x = self._layer_fused(ops, w, x, cs, groups, i)
-            if i in capture:
-                hidden[i] = x
+        else:
+            for i, w in enumerate(self._flat):
+                if ops is None:
+                    x = self._layer(w, x, cs, groups, i)
+                else:
+                    x = self._layer_fused(ops, w, x, cs, groups, i)
+                if i in capture:
+                    hidden[i] = x
         if ops is None:
             x = F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
         else:
