@@ -11,17 +11,21 @@ Contract:
   least `INT8_MIN_NUMEL` elements as int8 rows with one fp32 scale per row (`name` + `SCALE`,
   symmetric: scale = max|row| / 127), about half of bf16's bytes; the rest stays in `dtype`. A
   drafter only proposes tokens, so its storage never touches losslessness, only its acceptance.
-- `read_weights(dir)` -> the state dict with int8 matrices dequantized: what every reader
-  of the weights uses, except code that rewrites the stored file as it is (calibration).
+- `read_weights(dir, int8_as=None)` -> the state dict with int8 matrices dequantized (into
+  `int8_as`, by default the file's float format): what every reader of the weights uses, except
+  code that rewrites the stored file as it is (calibration).
   `float_dtype(state, default)` -> the format of a state dict's floating tensors (scales aside).
-- `load_checkpoint(path, method, target)` -> (arch dict, state dict). It refuses, with the reason
-  and what to do: a missing directory or file, another method's checkpoint, and a checkpoint
-  trained for another target (fingerprint = target config + tokenizer hash).
+- `load_checkpoint(path, method, target, int8_as=None)` -> (arch dict, state dict). It refuses,
+  with the reason and what to do: a missing directory or file, another method's checkpoint, and
+  a checkpoint trained for another target (fingerprint = target config + tokenizer hash).
 - `load_net(path, method, target, build, defaults)` -> the checkpoint's network built by
   `build(arch)`, weights loaded (`defaults(net)` fills tensors older checkpoints lack), moved to the
   target's device in `drafter_dtype(target)`, in eval mode, its linear layers running in the
-  target's measured formats on CPU (`layers.use_formats`; inference only): what every learned
-  drafter's loader starts with.
+  target's measured formats on CPU (`layers.use_formats`; inference only), and an int8-stored
+  checkpoint's in its own int8 weights where `int8w` is measured faster (`formats.
+  int8_drafter_plan`; its matrices load as fp32 q * scale, which re-quantize to the stored
+  integers; a bf16 drafter's rounded ones may move a few by one): what every learned drafter's
+  loader starts with. The plan is kept as `net.formats_plan`.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
   that target and method, or None; `checkpoint_path(kind, target, spec)` -> `spec` or that
   shipped directory, refusing with what to do when there is neither.
@@ -35,10 +39,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from specdecode.drafters.layers import cpu_plan, use_formats
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats import BUCKETS
+from specdecode.models.formats import BUCKETS, int8_drafter_plan, int8_quantize
 
 FORMAT = 1
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -59,12 +64,7 @@ def _target_meta(target) -> dict:
     }
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: w [R, C] -> (q int8 [R, C], scale fp32 [R]), w ~= q * scale[:, None]."""
-    w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [R]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+quantize_int8 = int8_quantize  # w [R, C] -> (q int8 [R, C], scale fp32 [R]): the int8 storage
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,10 +92,12 @@ def float_dtype(state: dict[str, torch.Tensor], default: torch.dtype) -> torch.d
     return next(floats, default)
 
 
-def unpack_weights(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A stored state dict with its int8 matrices dequantized into the format of the file's other
-    floating tensors (fp32 when there are none); other tensors as stored."""
-    dtype = float_dtype(stored, torch.float32)
+def unpack_weights(
+    stored: dict[str, torch.Tensor], int8_as: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """A stored state dict with its int8 matrices dequantized into `int8_as`, by default the format
+    of the file's other floating tensors (fp32 when there are none); other tensors as stored."""
+    dtype = int8_as or float_dtype(stored, torch.float32)
     return {
         k: dequantize_int8(v, stored[k + SCALE]).to(dtype) if k + SCALE in stored else v
         for k, v in stored.items()
@@ -103,11 +105,11 @@ def unpack_weights(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, int8_as: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     weights = Path(path) / WEIGHTS
     if not weights.is_file():
         raise SpecDecodeError(f"{path} has no {WEIGHTS}")
-    return unpack_weights(load_file(str(weights)))
+    return unpack_weights(load_file(str(weights)), int8_as)
 
 
 def write_checkpoint(
@@ -190,14 +192,16 @@ def check_target(cfg: dict, target, where: str) -> None:
         )
 
 
-def load_checkpoint(path: str | Path, method: str, target) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    path: str | Path, method: str, target, int8_as: torch.dtype | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = read_config(path)
     if cfg["method"] != method:
         raise SpecDecodeError(
             f"{path} holds a {cfg['method']!r} drafter, not {method!r}; use --method {cfg['method']}"
         )
     check_target(cfg, target, str(path))
-    return cfg["arch"], read_weights(path)
+    return cfg["arch"], read_weights(path, int8_as)
 
 
 def shipped_drafter(method: str, target) -> Path | None:
@@ -236,7 +240,7 @@ def drafter_dtype(target) -> torch.dtype:
 
 
 def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module:
-    arch, state = load_checkpoint(path, method, target)
+    arch, state = load_checkpoint(path, method, target, int8_as=torch.float32)  # q * scale, unrounded
     net = build(arch)
     for k, v in (defaults(net) if defaults else {}).items():
         state.setdefault(k, v)
@@ -244,5 +248,9 @@ def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module
     net = net.to(device=target.model.info.device, dtype=drafter_dtype(target)).eval()
     plan = cpu_plan(target)
     if plan is not None:
+        if read_config(path).get("storage") == "int8":  # its own int8 weights where they win
+            linears = (m for m in net.modules() if isinstance(m, nn.Linear))
+            shapes = list(dict.fromkeys(tuple(m.weight.shape) for m in linears))
+            plan, _ = int8_drafter_plan(plan, shapes, target.model.info.device)
         use_formats(net, plan)  # the products in the formats measured fastest here
     return net

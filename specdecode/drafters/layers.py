@@ -13,7 +13,8 @@ Contract:
 - `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
   whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
   tiles for a few rows) instead of a plain fp32 matmul; q/k/v (and k/v alone) and gate/up run
-  as one product each and RMSNorm as one fused kernel (`FusedRMSNorm`); parameters and state_dict keys stay.
+  as one product each and RMSNorm as one fused kernel (`FusedRMSNorm`); parameters and state_dict keys stay;
+  `net.formats_plan` is `plan`.
 - `target_shape(info, config, draft_vocab_size)`: the architecture fields a drafter copies from
   its target (width, heads, MLP width, vocabularies, norm eps, RoPE base) for its config.
 - `draft_to_full_logits(small, d2t, V)`: draft-vocabulary logits -> target-vocabulary logits.
@@ -28,7 +29,8 @@ Contract:
   the loss rows only (`shifted_rows`); `SoftTargets(target_logits)` holds the target's side,
   computed once per step for all the shifts that read it.
 - `signed_rope_table(positions, head_dim, theta)` -> `[*positions.shape, 2, D]`: `signed_rope` of
-  `rope_table`'s rows, read from one cached table (a round reads rows instead of ~6 small ops).
+  `rope_table`'s rows, read from one cached table (a round reads rows instead of ~6 small ops);
+  `signed_rope_rows(start, n, head_dim, theta, device)` consecutive positions as a view of it.
 - `whole_layer_args(attn, mlp, post_norm, rows)`: a drafter layer's products for `kernels`'
   decode_layer (one call a layer at inference; None where its products are not our kernels);
   `signed_rope(cos, sin)` the RoPE table that call reads; `layer_call(...)` that call for one
@@ -258,15 +260,25 @@ def signed_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 _SIGNED_ROPE: dict[tuple, torch.Tensor] = {}  # (D, theta, device) -> [P, 2, D]
 
 
+def _signed_table(need: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The cached signed RoPE table [P, 2, D] of (D, theta, device), P >= need."""
+    key = (head_dim, float(theta), device)
+    table = _SIGNED_ROPE.get(key)
+    if table is None or table.shape[0] < need:
+        rope_table(torch.tensor([max(need - 1, 0)], device=device), head_dim, theta)  # grows cos/sin
+        table = _SIGNED_ROPE[key] = signed_rope(*_ROPE[key])  # [P, 2, D]
+    return table
+
+
 def signed_rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
     """`signed_rope(*rope_table(positions, head_dim, theta))`, rows of one cached table."""
-    key = (head_dim, float(theta), positions.device)
-    table = _SIGNED_ROPE.get(key)
     need = int(positions.max()) + 1 if positions.numel() else 0
-    if table is None or table.shape[0] < need:
-        rope_table(positions, head_dim, theta)  # grows the cos/sin table to cover `positions`
-        table = _SIGNED_ROPE[key] = signed_rope(*_ROPE[key])  # [P, 2, D]
-    return table[positions]
+    return _signed_table(need, head_dim, theta, positions.device)[positions]
+
+
+def signed_rope_rows(start: int, n: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """`signed_rope_table` of positions start..start+n-1 [n, 2, D]: a view of the cached table."""
+    return _signed_table(start + n, head_dim, theta, device)[start : start + n]
 
 
 def whole_layer_args(attn: DraftAttention, mlp: SwiGLU, post_norm: nn.Module, rows: int) -> tuple | None:
@@ -337,6 +349,7 @@ def use_formats(net: nn.Module, plan: formats.FormatPlan) -> nn.Module:
                 w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
                 m.fused_gate_up = formats.Linear(w, None, plan)
     _swap(net, plan)
+    net.formats_plan = plan  # what the drafter's other products of its own weights follow
     return net
 
 

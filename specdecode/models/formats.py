@@ -70,15 +70,16 @@ from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
 LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
-OURS = ("bf16w", "bf16-amx", "bf16-dp")  # our compiled products, in decode_layer's kind order
+OURS = ("bf16w", "bf16-amx", "bf16-dp", "int8w")  # our compiled products, in decode_layer's kind order
 AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx", "bf16-dp")
 FORCED = ("fp32", "bf16", "int8", "int4")
 # `--dtype int8|int4`: the same quantized weights with activations in fp32 or in bf16
-QUANTIZED_CANDIDATES = {"int8": ("int8", "int8-bf16"), "int4": ("int4", "int4-bf16")}
+QUANTIZED_CANDIDATES = {"int8": ("int8", "int8-bf16", "int8w"), "int4": ("int4", "int4-bf16")}
 DECODE_ROWS = 16  # `quantized_plan` picks its kernel on products of up to this many rows
+DRAFT_ROWS = 64  # `int8_drafter_plan` times the drafter's products of up to this many rows
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
-_BF16_WEIGHTS = _BF16 | set(OURS)  # kernels whose products see the weights rounded to bf16
+_BF16_WEIGHTS = _BF16 | {"bf16w", "bf16-amx", "bf16-dp"}  # kernels that read the weights rounded to bf16
 _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
@@ -145,8 +146,9 @@ def _onednn(dtype: torch.dtype):
 
 
 def _ours(kernel: str, pack: str, linear: str):
-    """One of our compiled products (`models/kernels`): the weight packed once by `ops.<pack>`,
-    fp32 x in and out (`ops.<linear>`), other dtypes converted around it."""
+    """One of our compiled products (`models/kernels`): the weight packed once by `ops.<pack>`
+    (bf16 weights; int8w: the int8 weights and scales of `int8_quantize`), fp32 x in and out
+    (`ops.<linear>`), other dtypes converted around it."""
 
     def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         ops = kernels.fused()
@@ -156,7 +158,8 @@ def _ours(kernel: str, pack: str, linear: str):
         if why:
             raise RuntimeError(why)
         n = w.shape[0]
-        packed = getattr(ops, pack)(w.to(torch.bfloat16))
+        narrow = int8_quantize(w) if kernel == "int8w" else (w.to(torch.bfloat16),)
+        packed = getattr(ops, pack)(*narrow)
         bb = None if b is None else b.float()
         op = getattr(ops, linear)
 
@@ -171,13 +174,21 @@ def _ours(kernel: str, pack: str, linear: str):
     return prepare
 
 
+def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w [out, in] -> (q int8 [out, in], scale fp32 [out]) with
+    w ~= q * scale[:, None], scale = max |row| / 127 (what every int8 format here and the int8
+    storage of drafter checkpoints use: re-quantizing fp32 q * scale gives q back)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
 def _int8(act: torch.dtype):
     """Weight-only int8 (one scale per output row), activations in `act` per product."""
 
     def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
-        w = w.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
+        q, scale = int8_quantize(w)  # [out, in], [out]
         scale = scale.to(act)
         bb = None if b is None else b.float()
 
@@ -233,6 +244,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
     "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # the AMX layout
+    "int8w": _ours("int8w", "int8w_pack", "int8w_linear"),  # packed [ceil(out/16), in + 4, 16]
     "int8": _int8(torch.float32),
     "int8-bf16": _int8(torch.bfloat16),
     "int4": _int4(torch.float32),
@@ -529,4 +541,33 @@ def quantized_plan(
         return {"plan": FormatPlan((best,) * len(BUCKETS)).to_json(), "name": best, "ms_per_forward": profile}
 
     rec = cached_measurement(cache_dir() / "formats" / f"{name}-{key}.json", measure)
+    return FormatPlan(tuple(rec["plan"]["kernels"])), rec
+
+
+def int8_drafter_plan(
+    base: FormatPlan, shapes: Sequence[tuple[int, int]], device: torch.device
+) -> tuple[FormatPlan, dict]:
+    """The plan an int8-stored drafter's own products run in (cached): for each bucket of up to
+    `DRAFT_ROWS` rows, the faster of `base`'s kernel (the target's measured plan) and `int8w`,
+    timed on the drafter's product shapes; `base`'s kernel past that. `int8w` re-quantizes the
+    loaded weights (fp32 q * scale), which gives back the checkpoint's own int8 values
+    (`int8_quantize`): it reads the drafter as stored, in a quarter of fp32's bytes. Returns
+    (plan, record)."""
+    if torch.device(device).type != "cpu":
+        return base, {"reason": f"{torch.device(device).type}: the target's formats"}
+    buckets = [m for m in BUCKETS if m <= DRAFT_ROWS]
+    candidates = tuple(dict.fromkeys([*base.kernels[: len(buckets)], "int8w"]))
+    key = _measurement_key(shapes, None, 1, candidates, buckets, ",".join(base.kernels), kernels.source_tag())
+
+    def measure() -> dict:
+        profile = measure_kernels(shapes, None, 1, candidates, buckets)
+        chosen = list(base.kernels)
+        for bi, k in enumerate(base.kernels[: len(buckets)]):
+            mine, theirs = profile["int8w"][bi], profile[k][bi]
+            if mine is not None and (theirs is None or mine < theirs):
+                chosen[bi] = "int8w"
+        plan = FormatPlan(tuple(chosen))
+        return {"plan": plan.to_json(), "name": plan.name, "ms_per_forward": profile}
+
+    rec = cached_measurement(cache_dir() / "formats" / f"drafter-{key}.json", measure)
     return FormatPlan(tuple(rec["plan"]["kernels"])), rec

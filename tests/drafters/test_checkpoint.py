@@ -19,6 +19,8 @@ from specdecode.drafters.checkpoint import (
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import export_drafter
+from specdecode.models import formats, kernels
+from specdecode.models.formats import BUCKETS, FormatPlan
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -58,16 +60,38 @@ def test_int8_storage_halves_the_file_and_loads_back(tiny, tmp_path):
         save_checkpoint(tmp_path / "x", "eagle", {}, state, tiny, storage="int4")
 
 
-@pytest.mark.parametrize("method", ["eagle", "dspark"])
-def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, tmp_path, monkeypatch):
+@pytest.mark.parametrize("int8w", [False, True])
+@pytest.mark.parametrize("method", ["eagle", "dspark", "mtp"])
+def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, int8w, tmp_path, monkeypatch):
+    """An int8-stored drafter is lossless and still drafts, in the target's formats and in its own
+    int8 weights (`int8w` for products of up to DRAFT_ROWS rows: the integers the file holds)."""
     monkeypatch.setattr(checkpoint, "INT8_MIN_NUMEL", 1)  # the tiny drafter's matrices are small
     src, _ = trained(method)
     out = export_drafter(src, tmp_path / "int8", fmt="specdecode", storage="int8")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert any(f.get_tensor(k).dtype == torch.int8 for k in f.keys())
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert any(v.dtype == torch.int8 for v in stored.values())
+    if int8w:
+        if kernels.fused() is None:
+            pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
+        small = [i for i, m in enumerate(BUCKETS) if m <= formats.DRAFT_ROWS]
+
+        def int8w_plan(base, shapes, device):
+            return FormatPlan(tuple("int8w" if i in small else k for i, k in enumerate(base.kernels))), {}
+
+        monkeypatch.setattr(checkpoint, "int8_drafter_plan", int8w_plan)
+    else:  # the target's formats
+        monkeypatch.setattr(checkpoint, "int8_drafter_plan", lambda base, shapes, device: (base, {}))
     prompts = short_prompts(tiny.tokenizer)
     ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
-    sd = decode_fixed_k(tiny, build_drafter(method, tiny, str(out)), 3, prompts)
+    drafter = build_drafter(method, tiny, str(out))
+    net = drafter.net
+    assert ("int8w" in net.formats_plan.kernels) == int8w
+    for name, lin in net.named_modules():  # every matrix loads as the file's integers times scales
+        if name + ".weight" + SCALE in stored:
+            q, _ = formats.int8_quantize(lin.weight)
+            assert torch.equal(q, stored[name + ".weight"]), name
+    sd = decode_fixed_k(tiny, drafter, 3, prompts)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
     assert sum(r.tau for r in sd) / len(sd) > 1.2  # still a drafter, not noise
     with pytest.raises(SpecDecodeError, match="--format specdecode"):

@@ -25,7 +25,7 @@ from specdecode.policy import FixedK
 # Relative error of each kernel against an fp32 product (weights ~N(0, 1), 128 inputs).
 TOLERANCE = {"fp32": 1e-5, "fp32-mkl": 1e-5, "fp32-onednn": 1e-5, "bf16": 2e-2, "bf16-up": 2e-2,
              "bf16-onednn": 2e-2, "bf16w": 2e-2, "bf16-amx": 2e-2, "bf16-dp": 2e-2, "int8": 2e-2,
-             "int8-bf16": 3e-2, "int4": 0.2, "int4-bf16": 0.2}  # fmt: skip
+             "int8-bf16": 3e-2, "int8w": 2e-2, "int4": 0.2, "int4-bf16": 0.2}  # fmt: skip
 
 
 def _available(name, w, b):
@@ -226,21 +226,38 @@ def test_quantized_target_is_lossless_for_itself(fmt, tiny_llama_dir, tiny_qwen2
     assert fp32 != base or fmt == "int8"  # int4 is another model (int8 may round to the same tokens)
 
 
+def test_an_int8w_target_is_lossless_for_itself(tiny_llama_dir):
+    """Our int8 product as the target's every product (decode_layers' kind 3, the quantized
+    plan `--dtype int8` may measure fastest): greedy speculation equals greedy ar on it."""
+    target = load_model(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    try:
+        target.model.use_formats(FormatPlan(("int8w",) * len(BUCKETS)))
+    except RuntimeError as e:
+        pytest.skip(f"int8w is refused on this machine: {str(e)[:80]}")
+    tok = target.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("the cat sat on the mat and the cat", "a b c d e f g a b c")]
+    base = _greedy(target, ARDrafter(), 0, prompts)
+    v, rows = target.vocab_size, target.model.info.vocab_size
+    for drafter in (NgramDrafter(), DraftModelDrafter(target.model, v, rows)):
+        assert _greedy(target, drafter, 4, prompts) == base
+
+
 def test_quantized_formats_need_the_native_runtime(tiny_gpt2_dir):
     with pytest.raises(SpecDecodeError, match="native runtime"):
         load_model(str(tiny_gpt2_dir), dtype="int8", device="cpu")
 
 
-@pytest.mark.parametrize("fmt", sorted(formats.QUANTIZED_CANDIDATES))
-@pytest.mark.parametrize("act", [0, 1])
+@pytest.mark.parametrize(
+    "fmt,faster", [(fmt, k) for fmt, ks in sorted(formats.QUANTIZED_CANDIDATES.items()) for k in ks]
+)
 def test_a_quantized_target_runs_the_kernel_measured_fastest_at_decoding_sizes(
-    fmt, act, tmp_path, monkeypatch
+    fmt, faster, tmp_path, monkeypatch
 ):
-    """`--dtype int8|int4`: the same quantized weights with fp32 or bf16 activations, whichever
-    products of up to 16 rows take less time here (a prefill-sized bucket does not decide), as
-    one kernel everywhere; measured once and cached. A GPU takes the forced plan."""
+    """`--dtype int8|int4`: the same quantized weights with fp32 or bf16 activations (int8: or our
+    int8w product), whichever products of up to 16 rows take less time here (a prefill-sized
+    bucket does not decide), as one kernel everywhere; measured once and cached. A GPU takes the
+    forced plan."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    faster = formats.QUANTIZED_CANDIDATES[fmt][act]
     calls = []
 
     def fake(shapes, head, num_layers, candidates, buckets):
@@ -275,3 +292,44 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again(tmp_path, monkeypat
     path.write_text(json.dumps({**rec, "cpu_share": 0.95, "attempts": 1}))  # measured quietly
     formats.auto_plan(shapes, head, 2, torch.device("cpu"))
     assert len(calls) == measured.MAX_ATTEMPTS  # a quiet record is final at once
+
+
+def test_int8_formats_quantize_alike():
+    """Every int8 format multiplies by the weights `int8_quantize` gives (PyTorch's kernel and
+    ours: the same quantized model), and re-quantizing those weights (fp32 q * scale, as an
+    int8-stored drafter loads) gives the same integers back."""
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    q, scale = formats.int8_quantize(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    w_deq = q.float() * scale[:, None]
+    for name in ("int8", "int8w"):
+        fn = KERNELS[name](w, None) if name == "int8" else _available(name, w, None)
+        torch.testing.assert_close(fn(x), F.linear(x, w_deq), rtol=1e-5, atol=1e-5)
+    again, scale_again = formats.int8_quantize(w_deq)
+    assert torch.equal(again, q)
+    torch.testing.assert_close(scale_again, scale, rtol=1e-6, atol=0)
+
+
+def test_int8_drafter_plan_takes_int8w_where_it_is_measured_faster(tmp_path, monkeypatch):
+    """An int8-stored drafter's plan: per bucket of up to DRAFT_ROWS rows, int8w where it is timed
+    faster than the target plan's kernel, that kernel elsewhere and past DRAFT_ROWS; measured
+    once and cached; a GPU keeps the target's plan."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    base = FormatPlan(("bf16w",) * 4 + ("fp32",) * (len(BUCKETS) - 4))
+    calls = []
+
+    def fake(shapes, head, num_layers, candidates, buckets):
+        calls.append(tuple(buckets))
+        assert max(buckets) == formats.DRAFT_ROWS and set(candidates) == {"bf16w", "fp32", "int8w"}
+        return {k: [(1.0 if m <= 2 else 3.0) if k == "int8w" else 2.0 for m in buckets] for k in candidates}
+
+    monkeypatch.setattr(formats, "measure_kernels", fake)
+    monkeypatch.setattr(measured, "run_with_share", lambda fn: (fn(), 1.0))
+    plan, rec = formats.int8_drafter_plan(base, SHAPES, torch.device("cpu"))
+    assert plan.kernels == ("int8w", "int8w") + base.kernels[2:], plan.kernels
+    assert rec["name"] == plan.name
+    again, _ = formats.int8_drafter_plan(base, SHAPES, torch.device("cpu"))
+    assert again == plan and len(calls) == 1
+    assert formats.int8_drafter_plan(base, SHAPES, torch.device("cuda"))[0] == base
+    assert len(calls) == 1

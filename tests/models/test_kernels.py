@@ -1,4 +1,5 @@
-"""Our compiled CPU kernels: bf16w computes x @ w.T + b in fp32 arithmetic from bf16 weights, and
+"""Our compiled CPU kernels: bf16w computes x @ w.T + b in fp32 arithmetic from bf16 weights, int8w
+from int8 weights with a scale per output row, and
 bf16amx (where AMX runs) and bf16dp (where AVX512-BF16 runs) the product of bf16-rounded x and
 bf16 weights accumulated in fp32, at every shape their tiles cut differently (row and column
 remainders, K not a multiple of the tile)."""
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from specdecode.models import kernels
+from specdecode.models.formats import int8_quantize
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,31 @@ def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
     _check_product(ops.bf16w_pack, ops.bf16w_linear, m, n, k, lambda x: x, rows_alone=(m - 1,))
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576), (200, 64)])
+def test_int8w_is_the_fp32_product_of_its_int8_weights(ops, m, n, k):
+    """x @ (q * scale).T (+ b) in fp32 arithmetic, for the weights `int8_quantize` makes: each
+    block's scales sit after its weights, so every remainder of rows and outputs is checked."""
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w, b = (
+        torch.randn(m, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, generator=gen),
+    )
+    q, scale = int8_quantize(w)
+    packed = ops.int8w_pack(q, scale)
+    ref = x.double() @ (q.double() * scale.double()[:, None]).t()
+    for bias in (b, None):
+        y = ops.int8w_linear(x, packed, n, bias)
+        want = ref + b.double() if bias is not None else ref
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert (y.double() - want).abs().max() < 1e-5 * k**0.5 * want.abs().max().clamp(min=1)
+    assert torch.equal(ops.int8w_linear(x[m - 1 :], packed, n, b), ops.int8w_linear(x, packed, n, b)[m - 1 :])
+
+
+@pytest.mark.parametrize("fmt", ["bf16w", "int8w"])
 @pytest.mark.parametrize("m", [1, 2, 8])
-def test_bf16w_gives_the_same_product_whatever_the_threads_and_their_shares(ops, m):
+def test_narrow_products_are_the_same_whatever_the_threads_and_their_shares(ops, fmt, m):
     """Products of 2+ rows hand sweeps of blocks to the threads as they ask (each owns a run and
     takes the last of another's when done): every block computed once, the same way, so the
     result is bit for bit the same at 1, 2 and 3 threads and repeated calls, and it is the product."""
@@ -57,17 +82,21 @@ def test_bf16w_gives_the_same_product_whatever_the_threads_and_their_shares(ops,
     n, k = 16 * 6 * 7 + 5, 64  # 43 blocks of 16 outputs: 8 sweeps, the last one short
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    packed = ops.bf16w_pack(w)
+    if fmt == "bf16w":
+        packed, linear, ref = ops.bf16w_pack(w), ops.bf16w_linear, x @ w.float().t()
+    else:
+        q, scale = int8_quantize(w)
+        packed, linear, ref = ops.int8w_pack(q, scale), ops.int8w_linear, x @ (q.float() * scale[:, None]).t()
     threads = torch.get_num_threads()
     try:
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs += [ops.bf16w_linear(x, packed, n, None) for _ in range(5)]
+            outs += [linear(x, packed, n, None) for _ in range(5)]
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs)
-    torch.testing.assert_close(outs[0], x @ w.float().t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
@@ -80,6 +109,17 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
         ops.bf16w_pack(w.float())
     with pytest.raises(RuntimeError, match="bf16w_pack"):
         ops.bf16w_linear(x[:, :32], packed, 12, None)
+    q, scale = int8_quantize(w)
+    packed = ops.int8w_pack(q, scale)
+    torch.testing.assert_close(
+        ops.int8w_linear(x, packed, 12, None), x @ (q.float() * scale[:, None]).t(), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8w_pack(w, scale)
+    with pytest.raises(RuntimeError, match="int8w_pack"):
+        ops.int8w_linear(x[:, :32], packed, 12, None)
+    with pytest.raises(RuntimeError, match="int8w_pack"):
+        ops.int8w_linear(x, ops.bf16w_pack(w), 12, None)
 
 
 @pytest.fixture(scope="module", params=["bf16amx", "bf16dp"])

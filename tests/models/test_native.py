@@ -406,7 +406,8 @@ def test_masters_round_to_bf16_when_the_plan_stays_and_reads_bf16(tiny_llama_dir
 
 @pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_qwen2_dir"])  # qwen2: QKV bias
 @pytest.mark.parametrize("kv", ["auto", "bf16"])
-def test_whole_layer_call_equals_the_python_layer(kind, kv, request, monkeypatch):
+@pytest.mark.parametrize("product", ["bf16w", "int8w"])  # our AVX2 products: decode_layer's kinds 0, 3
+def test_whole_layer_call_equals_the_python_layer(kind, kv, product, request, monkeypatch):
     from specdecode.models import kernels
     from specdecode.models.formats import BUCKETS, FormatPlan
 
@@ -415,7 +416,7 @@ def test_whole_layer_call_equals_the_python_layer(kind, kv, request, monkeypatch
         pytest.skip(f"our kernels are not available here: {kernels.unavailable.get('cpu')}")
     lm = load_model(str(request.getfixturevalue(kind)), dtype="fp32", device="cpu", kv_cache_dtype=kv)
     model = lm.model
-    model.use_formats(FormatPlan(("bf16w",) * len(BUCKETS)))  # our AVX2 product: decode_layer's case
+    model.use_formats(FormatPlan((product,) * len(BUCKETS)))
     calls = []
     real = model._whole_layers
 

@@ -157,9 +157,9 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
-        plan = cpu_plan(target)  # the head rows in the target's measured formats
-        self._plan = plan if plan and self.device.type == "cpu" else None
-        self.head = PlannedLinear(self.head_w, None, plan) if self._plan else None
+        plan = cpu_plan(target)  # the head rows in the drafter's formats (`load_net`'s plan)
+        self._plan = getattr(net, "formats_plan", plan) if plan and self.device.type == "cpu" else None
+        self.head = PlannedLinear(self.head_w, None, self._plan) if self._plan else None
         self._kv_all = None  # every layer's context key/value product (`_kv_product`), made once
         self._mask = None  # the mask slots' vector (`_mask_vector`), made once
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
@@ -243,7 +243,8 @@ class DFlashDrafter(Drafter):
 
     def _kv_product(self):
         """The product [N, d] -> [N, 2 L Hk D] (every layer's key rows, then its value rows) in the
-        target's CPU format plan, made once, where our kernels serve an fp32 drafter; else None."""
+        drafter's CPU format plan (`load_net`'s), made once, where our kernels serve an fp32 drafter;
+        else None."""
         if self._kv_all is None:
             ops = kernels.fused()
             self._kv_all = False

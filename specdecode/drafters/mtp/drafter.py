@@ -40,7 +40,7 @@ from specdecode.drafters.layers import (
     attend,
     cpu_plan,
     rope_table,
-    signed_rope,
+    signed_rope_rows,
     whole_layer_args,
 )
 from specdecode.models import formats, kernels
@@ -69,7 +69,8 @@ class MTPDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size)
         self.net.attach_head(target.model.lm_head_weight())
-        plan = cpu_plan(target)  # the head rows [Vd, d] as one product in the measured formats
+        plan = cpu_plan(target)  # the head rows [Vd, d] as one product, in the drafter's formats
+        plan = getattr(self.net, "formats_plan", plan) if plan is not None else None
         self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
         self.caches: list[KVCache] = []
         self.hist: dict[int, list[Rows]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
@@ -122,14 +123,12 @@ class MTPDrafter(Drafter):
         emb = self.target.embed(torch.tensor([tok], device=self.target.info.device)).to(
             self.device, self.dtype
         )
-        pos = (
-            torch.arange(first_pos, first_pos + n, device=self.device)[None] + k
-        )  # token t_{i+k} sits at i + k
-        cos, sin = rope_table(pos, cfg.head_dim, cfg.rope_theta)
-        out = self._run_whole(k, slot, h_prev, emb[0], base, cos, sin)
+        out = self._run_whole(k, slot, h_prev, emb[0], base)
         if out is not None:
             cache.commit(slot, commit)
             return out
+        pos = torch.arange(first_pos, first_pos + n, device=self.device)[None] + k  # t_{i+k} sits at i + k
+        cos, sin = rope_table(pos, cfg.head_dim, cfg.rope_theta)
         x = mod.inp(h_prev[None], emb)
         q, kk, v = mod.qkv(x, cos, sin)
         cache.k[0][slot, :, base : base + n] = kk[0].transpose(0, 1)
@@ -158,17 +157,20 @@ class MTPDrafter(Drafter):
             self._whole[(k, N)] = args
         return self._whole[(k, N)]
 
-    def _run_whole(self, k: int, slot: int, h_prev, emb, base: int, cos, sin) -> torch.Tensor | None:
-        """Module k over N rows at cache rows base.. (causal) as `kernels`' mtp_module (its input
-        product, then decode_layer: the modules' math in one call, with its own rounding of RoPE
-        and attention), when `_module_args` has them; else None. h_prev, emb [N, d]; cos/sin
-        [1, N, D] -> [N, d]."""
-        args = self._module_args(k, h_prev.shape[0])
+    def _run_whole(self, k: int, slot: int, h_prev, emb, base: int) -> torch.Tensor | None:
+        """Module k over N rows at cache rows (= positions) base.. (causal) as `kernels`'
+        mtp_module (its input product, then decode_layer: the modules' math in one call, with its
+        own rounding of RoPE and attention), when `_module_args` has them; else None. h_prev,
+        emb [N, d] -> [N, d]."""
+        n = h_prev.shape[0]
+        args = self._module_args(k, n)
         if args is None:
             return None
         cfg, mod, cache = self.net.cfg, self.net.mods[k - 1], self.caches[k - 1]
         proj, layer, norms = args
-        cs = signed_rope(cos, sin).reshape(h_prev.shape[0], 2, -1)  # [N, 2, D]
+        cs = signed_rope_rows(
+            base + k, n, cfg.head_dim, cfg.rope_theta, self.device
+        )  # [N, 2, D]: t_{i+k} at i + k
         return kernels.fused().mtp_module(
             h_prev, emb, mod.hnorm.weight, mod.enorm.weight, *proj, mod.attn_norm.weight, *layer, cs,
             cache.k[0][slot : slot + 1], cache.v[0][slot : slot + 1], base, cfg.rms_norm_eps,
