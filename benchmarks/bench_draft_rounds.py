@@ -14,7 +14,9 @@ The report gives medians over prompts and passes, and the paired ratio round / s
 the speed-up measured on the prompt (ar's decode time / the method's, same tokens) and the one
 the cost model predicts at tau = 3 with the same K: 3 steps' worth of tokens per round that
 costs the round plus its verify pass (both measured here; neither depends on tau at fixed K),
-3 x step / (round + verify). Usage:
+3 x step / (round + verify). `--compare-formats` also loads each method with its drafter in the
+target's formats (`int8_drafter_plan` bypassed: what an int8-stored drafter ran in before it read
+its own int8 weights), interleaved with the others, so both rows come from one run. Usage:
 
     python benchmarks/bench_draft_rounds.py --methods eagle:4,eagle-tree:16,dspark:7,dflash:6 \
         [--drafter eagle=DIR ...] --out benchmarks/results/draft-rounds-<name>
@@ -31,6 +33,7 @@ import torch
 
 from specdecode import load
 from specdecode.bench.hardware import machine_info
+from specdecode.drafters import checkpoint
 
 PROMPTS = [
     "Explain what a hash table is in three sentences.",
@@ -55,18 +58,35 @@ def main() -> int:
         default=0.0,
         help="sampling temperature (T > 0: rounds draw q, verify by rejection)",
     )
+    ap.add_argument(
+        "--compare-formats",
+        action="store_true",
+        help="also run each method's drafter in the target's formats (not its int8 plan)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     drafters = dict(s.split("=", 1) for s in a.drafter)
-    specs = [(m, int(k)) for m, k in (s.split(":") for s in a.methods.split(","))]
+    specs = [(m, int(k), m) for m, k in (s.split(":") for s in a.methods.split(","))]  # (label, K, method)
+    if a.compare_formats:
+        specs = [x for m, k, _ in specs for x in ((m, k, m), (f"{m}, target's formats", k, m))]
     ar = load(a.target, method="ar")
-    sds = {
-        m: load(ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k)
-        for m, k in specs
-    }
-    for m, sd in sds.items():  # MTP drafts K from the first round (its depth rule would start at 1)
+    measured, sds = checkpoint.int8_drafter_plan, {}
+    for label, k, m in specs:
+        if label != m:  # the drafter in the target's formats
+            checkpoint.int8_drafter_plan = lambda base, shapes, device: (base, {})
+        try:
+            sds[label] = load(
+                ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k
+            )
+        finally:
+            checkpoint.int8_drafter_plan = measured
+    for label, _, m in specs:  # MTP drafts K from the first round (its depth rule would start at 1)
         if m == "mtp":
-            sd.decoder.drafter.start_depth = len(sd.decoder.drafter.net.mods)
+            sds[label].decoder.drafter.start_depth = len(sds[label].decoder.drafter.net.mods)
+    plans = {
+        label: getattr(getattr(sd.decoder.drafter, "net", None), "formats_plan", None)
+        for label, sd in sds.items()
+    }
     for sd in (ar, *sds.values()):
         sd.generate(PROMPTS[0], max_new_tokens=8, chat=True)  # warm-up
     rows = {m: [] for m in sds}  # per (pass, prompt): (round s, step s, tau, verify s, speed-up)
@@ -97,8 +117,8 @@ def main() -> int:
         "| bound | tau | verify / step | speed-up | at tau 3 (model) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m, k in specs:
-        rs = rows[m]
+    for label, k, m in specs:
+        rs = rows[label]
         ratio = statistics.median(r / s for r, s, *_ in rs)  # paired per prompt
         verify = statistics.median(v / s for _, s, _, v, *_ in rs)
         at3 = statistics.median(3 * s / (r + v) for r, s, _, v, *_ in rs)
@@ -117,16 +137,21 @@ def main() -> int:
             "verify_per_step": verify,
             "speedup": statistics.median(r[4] for r in rs),
             "speedup_at_tau3": at3,
+            "drafter_plan": None if plans[label] is None else plans[label].name,
         }
-        report["methods"][m] = rec
+        report["methods"][label] = rec
         lines.append(
-            f"| {m} | {k} | {drafted:.1f} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} "
+            f"| {label} | {k} | {drafted:.1f} | {rec['round_ms']:.2f} | {rec['step_ms']:.2f} | {ratio:.3f} "
             f"| {per_token:.3f} | {shown} | {rec['tau']:.2f} | {verify:.2f} | {rec['speedup']:.2f}x "
             f"| {at3:.2f}x |"
         )
+    shown = {lab: p.name for lab, p in plans.items() if p is not None}
+    lines += ["", "Drafter format plans: " + "; ".join(f"{lab} `{n}`" for lab, n in shown.items()) + "."]
     lines += ["", "Command: `python benchmarks/bench_draft_rounds.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("drafter", "out")
-    ) + "`" + (" with drafters " + ", ".join(a.drafter) if a.drafter else "") + "."]  # fmt: skip
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+        if k not in ("drafter", "out", "compare_formats")
+    ) + (" --compare-formats" if a.compare_formats else "") + "`" + (
+        " with drafters " + ", ".join(a.drafter) if a.drafter else "") + "."]  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1))
