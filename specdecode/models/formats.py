@@ -20,7 +20,9 @@ Contract:
   - `bf16-dp`: the same arithmetic on AVX512-BF16 dot-product instructions
     (`models/kernels/bf16dp.cpp`), for CPUs that have those but no AMX; absent elsewhere;
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
-    asymmetric), PyTorch's own CPU kernels. They change the model: never chosen by `auto`.
+    asymmetric), PyTorch's own CPU kernels, and `int8w`, the same int8 weights in our AVX2
+    kernel beside `bf16w` (widened to fp32 in registers, fp32 accumulation; decode_layer's
+    kind 3). They change the model: never chosen by `auto`.
     `int8-bf16` / `int4-bf16`: the same quantized weights with activations rounded to bf16 per
     product (PyTorch's kernels have fast paths for bf16 activations on some CPUs and not for
     fp32 ones: 4-18x on the AMX kind).
@@ -49,6 +51,10 @@ Contract:
   products of up to `DECODE_ROWS` rows (decoding and verification) take the least time here,
   measured and cached like `auto_plan`. One kernel for every bucket: a quantized target then
   rounds alike at every number of rows, so greedy speculation equals greedy `ar` on it.
+* `int8_drafter_plan(base, shapes, device)`: an int8-stored drafter's plan, `int8w` wherever it
+  is measured faster than `base` (the target's plan) on products of up to `DRAFT_ROWS` rows of
+  the drafter's shapes (cached). `int8_quantize(w)` is the one int8 quantization every int8
+  format and the drafters' int8 storage use.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Contract:
 - `fused()` returns `torch.ops.specdecode`, or None. It holds
   - the bf16-weight product of `bf16w.cpp`: `bf16w_pack(w [N, K] bf16) -> packed` once, then
     `bf16w_linear(x [M, K] fp32, packed, N, bias [N] | None) -> [M, N] fp32` (x @ w.T + bias
-    in fp32 arithmetic);
+    in fp32 arithmetic), and its int8 twin `int8w_pack(q [N, K] int8, scale [N])` /
+    `int8w_linear(x, packed, N, bias | None)` (x @ (q * scale).T + bias in fp32 arithmetic);
   - the AMX product of `amx.cpp`: `bf16amx_pack(w [N, K] bf16)` once (raises where the CPU or
     the OS gives no AMX tiles), then `bf16amx_linear(x [M, K] fp32, packed, N, bias | None)`
     (x rounded to bf16, bf16 x bf16 products accumulated in fp32);

@@ -6,9 +6,10 @@
 //              (what attention reads), mask [B|1, 1, G*N, span] | None, eps, H, Hk, D,
 //              qkv_in [T, in] | None, q_norm [D] | None, k_norm [D] | None) -> [T, d]
 // where each projection is (kind, packed, n, bias | None): kind 0 `bf16w_linear`, 1
-// `bf16amx_linear`, 2 `bf16dp_linear`, 3 `int8w_linear` on the packed weight of n outputs. `qkv_in` replaces
-// rms_norm(x, ln1) as the QKV product's input (EAGLE-3's layer reads [norm(embedding) ;
-// norm(features)] and keeps the features as its residual stream x); ln1 is then not read.
+// `bf16amx_linear`, 2 `bf16dp_linear`, 3 `int8w_linear` on the packed weight of n outputs.
+// `qkv_in` replaces rms_norm(x, ln1) as the QKV product's input (EAGLE-3's layer reads
+// [norm(embedding) ; norm(features)] and keeps the features as its residual stream x); ln1 is
+// then not read.
 // `q_norm` / `k_norm` (both or neither): per-head RMSNorm weights applied to every head of q and
 // of k before RoPE (the drafters' Qwen3-style layer, as their `FusedRMSNorm` modules do it).
 //
