@@ -16,6 +16,7 @@ from specdecode.drafters.checkpoint import (
     quantize_int8,
     read_weights,
     save_checkpoint,
+    write_checkpoint,
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import export_drafter
@@ -56,6 +57,11 @@ def test_int8_storage_halves_the_file_and_loads_back(tiny, tmp_path):
     step = state["big.weight"].abs().amax(dim=1, keepdim=True) / 127
     w = state["big.weight"]
     assert ((wb["big.weight"].float() - w).abs() <= step * 0.5 + w.abs() * 2**-8 + 1e-6).all()  # + bf16
+    exact = read_weights(b, int8_as=torch.float32)["big.weight"]  # q * scale unrounded
+    with safe_open(str(b / "model.safetensors"), "pt") as f:
+        q = f.get_tensor("big.weight")
+    assert torch.equal(formats.int8_quantize(exact)[0], q)  # the stored integers back
+    assert not torch.equal(formats.int8_quantize(wb["big.weight"])[0], q)  # bf16 moved some
     with pytest.raises(SpecDecodeError, match="unknown weight storage"):
         save_checkpoint(tmp_path / "x", "eagle", {}, state, tiny, storage="int4")
 
@@ -68,8 +74,11 @@ def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, int
     monkeypatch.setattr(checkpoint, "INT8_MIN_NUMEL", 1)  # the tiny drafter's matrices are small
     src, _ = trained(method)
     out = export_drafter(src, tmp_path / "int8", fmt="specdecode", storage="int8")
+    # stored as the shipped drafters are: int8 matrices beside bf16 norms (bf16 would round q * scale)
+    write_checkpoint(out, checkpoint.read_config(out), read_weights(out), torch.bfloat16, "int8")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert any(v.dtype == torch.bfloat16 for v in stored.values())
     assert any(v.dtype == torch.int8 for v in stored.values())
     if int8w:
         if kernels.fused() is None:
@@ -88,9 +97,10 @@ def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, int
     net = drafter.net
     assert ("int8w" in net.formats_plan.kernels) == int8w
     for name, lin in net.named_modules():  # every matrix loads as the file's integers times scales
-        if name + ".weight" + SCALE in stored:
-            q, _ = formats.int8_quantize(lin.weight)
-            assert torch.equal(q, stored[name + ".weight"]), name
+        key = name + ".weight"
+        if key + SCALE in stored:
+            assert torch.equal(lin.weight, dequantize_int8(stored[key], stored[key + SCALE])), name
+            assert torch.equal(formats.int8_quantize(lin.weight)[0], stored[key]), name
     sd = decode_fixed_k(tiny, drafter, 3, prompts)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
     assert sum(r.tau for r in sd) / len(sd) > 1.2  # still a drafter, not noise
