@@ -237,15 +237,16 @@ def drafter_round_costs(tgt, drf, method: str, k: int):
     """A learned drafter's round costs in seconds (`policy.draft_round_costs`: fixed, per token
     and the curve over K, through the K where the drafter says its cost bends),
     timed on short greedy runs (catch-up on committed context included, as in a real round) and
-    keyed by the drafter's architecture (method, class, parameter count, dtype), the drafting
-    code (sources and kernels), the target and the machine; with what a sampled step costs beyond
-    a greedy one (`RoundCosts.sampled_extra`)."""
+    keyed by the drafter's architecture (method, class, parameter count, dtype), its products'
+    format plan, the drafting code (sources and kernels), the target and the machine; with what a
+    sampled step costs beyond a greedy one (`RoundCosts.sampled_extra`)."""
     nets = [m for m in vars(drf).values() if isinstance(m, torch.nn.Module)]
     params = sum(p.numel() for m in nets for p in m.parameters())
     dtypes = sorted({str(p.dtype) for m in nets for p in m.parameters()})
     ident = [method, type(drf).__name__, str(params), ",".join(dtypes), tgt.fingerprint, str(k)]
     ident += [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads())]
     ident.append(_drafting_code_tag())  # faster drafting code is measured anew
+    ident += sorted({m.formats_plan.name for m in nets if hasattr(m, "formats_plan")})  # products' formats
     cpu = tgt.model.info.device.type == "cpu"
     return draft_round_costs(
         ident,
