@@ -7,8 +7,9 @@
 // - int8w: w = q * s, q int8 [N, K] and one fp32 scale per output row (weight-only int8, the
 //   layout of an int8-stored checkpoint): a quarter of fp32's bytes; q is widened to fp32
 //   (sign-extend, convert: exact), the row's sum of x * q is accumulated in fp32 and multiplied
-//   by s at the end. Widening costs more instructions than bf16's unpack: this format wins at a
-//   row or two, where memory bounds the product, and loses at 8, where the FMAs do.
+//   by s at the end. Widening costs more instructions than bf16's unpack, on the FMAs' ports:
+//   its lead over bf16w is largest at a row or two, where memory bounds the product, and
+//   shrinks as rows make the FMAs the bound (a Zen 3: 0.57x bf16w's time at 1 row, ~0.95x at 8).
 // AVX2 + FMA: the Python side compiles this only for CPUs that have them, and uses a format
 // only where measurement finds it fastest (models.formats).
 //
