@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench_train import cpu_kind  # benchmarks/ is the script's directory
 
-from specdecode.bench.paired import paired_rows, paired_runs, write_paired_report
+from specdecode.bench.paired import add_paired_arguments, paired_rows, paired_runs, write_paired_report
 from specdecode.build import LoadOptions, build
 from specdecode.datasets import load_category
 from specdecode.models.loader import load_model
@@ -27,15 +27,9 @@ from specdecode.training.regen import prompt_ids
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
+    add_paired_arguments(ap, datasets="chat,rag,summarization", limit=8, temperature=1.0)
     ap.add_argument("--method", default="dspark")
-    ap.add_argument("--datasets", default="chat,rag,summarization")
-    ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--sampled-decays", default="0.9,0.95")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
     target = load_model(a.target, dtype="auto")
     decoders = {"ar": build(LoadOptions(target, "ar")).decoder}

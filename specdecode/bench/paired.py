@@ -9,6 +9,9 @@ Contract:
   over prompts of `base`'s time per token over the decoder's (the paired speed-up), the mean tau
   and the mean drafts per step.
 - `paired_table(rows, label)`: those rows as a markdown table, `label` naming the decoder column.
+- `add_paired_arguments(ap, datasets, limit, temperature)`: the options every paired script
+  takes (--target, --datasets, --limit, --temperature, --max-new-tokens, --repeats, --out), with
+  the script's defaults for the first three that differ.
 - `write_paired_report(out, title, script, args, machine, setting, rows, label)`: `out`/report.md
   (the title, the machine, the run's settings from `args` (temperature, max_new_tokens, limit,
   repeats), `setting` appended to them, the command that reran it, the table) and results.json.
@@ -25,6 +28,16 @@ from pathlib import Path
 
 from specdecode.config import SamplingParams
 from specdecode.request import GenerationRequest
+
+
+def add_paired_arguments(ap: argparse.ArgumentParser, datasets: str, limit: int, temperature: float) -> None:
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--datasets", default=datasets)
+    ap.add_argument("--limit", type=int, default=limit)
+    ap.add_argument("--temperature", type=float, default=temperature)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", required=True)
 
 
 def paired_runs(

@@ -72,3 +72,20 @@ def test_the_report_names_the_setting_and_the_command_that_reruns_it(tmp_path):
     cmd = "python benchmarks/ab.py --temperature 0.0 --max-new-tokens 96 --limit 6 --repeats 2 --k 6"
     assert f"Command: `{cmd}`" in text and "| code | x | 1.250x | 1.50 | 1.00 |" in text
     assert json.loads((tmp_path / "results.json").read_text()) == {"command": cmd, "rows": [row]}
+
+
+def test_paired_scripts_share_their_options():
+    import argparse
+
+    import pytest
+
+    from specdecode.bench.paired import add_paired_arguments
+
+    ap = argparse.ArgumentParser()
+    add_paired_arguments(ap, datasets="code,chat", limit=4, temperature=1.0)
+    a = ap.parse_args(["--out", "d", "--limit", "2"])
+    assert (a.target, a.datasets, a.limit, a.temperature, a.max_new_tokens, a.repeats, a.out) == (
+        "smollm2-135m", "code,chat", 2, 1.0, 96, 2, "d",
+    )  # fmt: skip
+    with pytest.raises(SystemExit):  # --out is required
+        ap.parse_args([])

@@ -205,6 +205,19 @@ void narrow_linear(const float* xp, int64_t M, int64_t K, const typename W::T* p
   });
 }
 
+// The op around narrow_linear: x [M, K] fp32 (any strides, checked by the caller) against a
+// packed weight of nb blocks.
+template <class W>
+torch::Tensor narrow_product(const torch::Tensor& x, const typename W::T* pp, int64_t nb, int64_t N,
+                             const c10::optional<torch::Tensor>& bias) {
+  const auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), N}, xc.options());
+  torch::Tensor bc;
+  const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
+  narrow_linear<W>(xc.data_ptr<float>(), xc.size(0), xc.size(1), pp, nb, bp, y.data_ptr<float>(), N);
+  return y;
+}
+
 }  // namespace
 
 torch::Tensor pack(const torch::Tensor& w) {
@@ -223,16 +236,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& P, int6
                             const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
   TORCH_CHECK(P.dim() == 3 && P.scalar_type() == torch::kBFloat16 && P.is_contiguous() &&
-                  P.size(2) == PB && P.size(0) * PB >= N && P.size(1) == x.size(1),
+                  P.size(2) == PB && P.size(0) * PB >= N && P.size(1) == x.size(-1),
               "P must come from bf16w_pack for this K and N");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, N}, xc.options());
-  torch::Tensor bc;
-  const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
-  narrow_linear<Bf16>(xc.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>()),
-                      P.size(0), bp, y.data_ptr<float>(), N);
-  return y;
+  return narrow_product<Bf16>(x, reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>()), P.size(0), N, bias);
 }
 
 // q [N, K] int8 and scale [N] (w = q * scale row by row) -> P [nb, K + 4, 16] int8: each block's
@@ -257,15 +263,9 @@ torch::Tensor int8w_linear(const torch::Tensor& x, const torch::Tensor& P, int64
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
   TORCH_CHECK(P.dim() == 3 && P.scalar_type() == torch::kInt8 && P.is_contiguous() && P.size(2) == PB &&
-                  P.size(0) * PB >= N && P.size(1) == Int8::steps(x.size(1)),
+                  P.size(0) * PB >= N && P.size(1) == Int8::steps(x.size(-1)),
               "P must come from int8w_pack for this K and N");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, N}, xc.options());
-  torch::Tensor bc;
-  const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
-  narrow_linear<Int8>(xc.data_ptr<float>(), M, K, P.data_ptr<int8_t>(), P.size(0), bp, y.data_ptr<float>(), N);
-  return y;
+  return narrow_product<Int8>(x, P.data_ptr<int8_t>(), P.size(0), N, bias);
 }
 
 // Dispatcher ops (torch.ops.specdecode.bf16w_linear, ...), so profilers and torch.compile see a
