@@ -15,7 +15,7 @@ the speed-up measured on the prompt (ar's decode time / the method's, same token
 the cost model predicts at tau = 3 with the same K: 3 steps' worth of tokens per round that
 costs the round plus its verify pass (both measured here; neither depends on tau at fixed K),
 3 x step / (round + verify). `--compare-formats` also loads each method with its drafter in the
-target's formats (`int8_drafter_plan` bypassed: what an int8-stored drafter ran in before it read
+target's formats (`checkpoint.in_target_formats`: what an int8-stored drafter ran in before it read
 its own int8 weights), interleaved with the others, so both rows come from one run. Usage:
 
     python benchmarks/bench_draft_rounds.py --methods eagle:4,eagle-tree:16,dspark:7,dflash:6 \
@@ -25,6 +25,7 @@ its own int8 weights), interleaved with the others, so both rows come from one r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -70,16 +71,12 @@ def main() -> int:
     if a.compare_formats:
         specs = [x for m, k, _ in specs for x in ((m, k, m), (f"{m}, target's formats", k, m))]
     ar = load(a.target, method="ar")
-    measured, sds = checkpoint.int8_drafter_plan, {}
-    for label, k, m in specs:
-        if label != m:  # the drafter in the target's formats
-            checkpoint.int8_drafter_plan = lambda base, shapes, device: (base, {})
-        try:
+    sds = {}
+    for label, k, m in specs:  # label != m: the drafter in the target's formats
+        with checkpoint.in_target_formats() if label != m else contextlib.nullcontext():
             sds[label] = load(
                 ar.target, method=m, drafter=drafters.get(m), policy="fixed", num_draft_tokens=k
             )
-        finally:
-            checkpoint.int8_drafter_plan = measured
     for label, _, m in specs:  # MTP drafts K from the first round (its depth rule would start at 1)
         if m == "mtp":
             sds[label].decoder.drafter.start_depth = len(sds[label].decoder.drafter.net.mods)

@@ -14,6 +14,7 @@ Usage: python benchmarks/drafter_formats_ab.py --methods eagle:4,mtp:3 --limit 4
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -35,20 +36,16 @@ def main() -> None:
     target = load_model(a.target, dtype="auto")
     decoders = {"ar": build(LoadOptions(target, "ar")).decoder}
     plans = {}
-    measured = checkpoint.int8_drafter_plan
     for spec in a.methods.split(","):
         method, _, k = spec.partition(":")
         policy = {"policy": "fixed", "num_draft_tokens": int(k)} if k else {}
         name = f"{method} K {k}" if k else method
-        for label, planner in (
-            ("int8 plan", measured),
-            ("target's formats", lambda base, shapes, dev: (base, {})),
+        for label, loading in (
+            ("int8 plan", contextlib.nullcontext),
+            ("target's formats", checkpoint.in_target_formats),
         ):
-            checkpoint.int8_drafter_plan = planner
-            try:
+            with loading():
                 dec = build(LoadOptions(target, method, **policy)).decoder
-            finally:
-                checkpoint.int8_drafter_plan = measured
             plans[f"{name}, {label}"] = dec.drafter.net.formats_plan.name
             decoders[f"{name}, {label}"] = dec
     cats = a.datasets.split(",")

@@ -25,7 +25,8 @@ Contract:
   checkpoint's in its own int8 weights where `int8w` is measured faster (`formats.
   int8_drafter_plan`; its matrices load as fp32 q * scale, which re-quantize to the stored
   integers; a bf16 drafter's rounded ones may move a few by one): what every learned drafter's
-  loader starts with. The plan is kept as `net.formats_plan`.
+  loader starts with. The plan is kept as `net.formats_plan`; `in_target_formats()` (a context)
+  loads them in the target's plan instead.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
   that target and method, or None; `checkpoint_path(kind, target, spec)` -> `spec` or that
   shipped directory, refusing with what to do when there is neither.
@@ -33,6 +34,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -239,6 +241,20 @@ def drafter_dtype(target) -> torch.dtype:
     return torch.bfloat16 if plan.kernels[BUCKETS.index(8)].startswith("bf16") else torch.float32
 
 
+_OWN_INT8 = [True]  # load_net gives int8-stored drafters their own int8 plan (`in_target_formats`)
+
+
+@contextlib.contextmanager
+def in_target_formats():
+    """Drafters loaded inside run in the target's formats, not their own int8 plan: the other side
+    of the A/B benchmarks that measure that plan."""
+    _OWN_INT8[0] = False
+    try:
+        yield
+    finally:
+        _OWN_INT8[0] = True
+
+
 def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module:
     arch, state = load_checkpoint(path, method, target, int8_as=torch.float32)  # q * scale, unrounded
     net = build(arch)
@@ -248,7 +264,7 @@ def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module
     net = net.to(device=target.model.info.device, dtype=drafter_dtype(target)).eval()
     plan = cpu_plan(target)
     if plan is not None:
-        if read_config(path).get("storage") == "int8":  # its own int8 weights where they win
+        if _OWN_INT8[0] and read_config(path).get("storage") == "int8":  # its own integers where they win
             linears = (m for m in net.modules() if isinstance(m, nn.Linear))
             shapes = list(dict.fromkeys(tuple(m.weight.shape) for m in linears))
             plan, _ = int8_drafter_plan(plan, shapes, target.model.info.device)

@@ -151,10 +151,14 @@ def _onednn(dtype: torch.dtype):
     return prepare
 
 
-def _ours(kernel: str, pack: str, linear: str):
-    """One of our compiled products (`models/kernels`): the weight packed once by `ops.<pack>`
-    (bf16 weights; int8w: the int8 weights and scales of `int8_quantize`), fp32 x in and out
-    (`ops.<linear>`), other dtypes converted around it."""
+def _bf16(w: torch.Tensor) -> tuple[torch.Tensor]:
+    return (w.to(torch.bfloat16),)
+
+
+def _ours(kernel: str, pack: str, linear: str, narrow: Callable = _bf16):
+    """One of our compiled products (`models/kernels`): the weight packed once by
+    `ops.<pack>(*narrow(w))` (bf16 weights; int8w: the int8 weights and scales of
+    `int8_quantize`), fp32 x in and out (`ops.<linear>`), other dtypes converted around it."""
 
     def prepare(w: torch.Tensor, b: torch.Tensor | None) -> Product:
         ops = kernels.fused()
@@ -164,8 +168,7 @@ def _ours(kernel: str, pack: str, linear: str):
         if why:
             raise RuntimeError(why)
         n = w.shape[0]
-        narrow = int8_quantize(w) if kernel == "int8w" else (w.to(torch.bfloat16),)
-        packed = getattr(ops, pack)(*narrow)
+        packed = getattr(ops, pack)(*narrow(w))
         bb = None if b is None else b.float()
         op = getattr(ops, linear)
 
@@ -250,7 +253,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
     "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # the AMX layout
-    "int8w": _ours("int8w", "int8w_pack", "int8w_linear"),  # packed [ceil(out/16), in + 4, 16]
+    "int8w": _ours("int8w", "int8w_pack", "int8w_linear", int8_quantize),  # packed [ceil(out/16), in + 4, 16]
     "int8": _int8(torch.float32),
     "int8-bf16": _int8(torch.bfloat16),
     "int4": _int4(torch.float32),
