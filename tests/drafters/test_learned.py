@@ -342,6 +342,33 @@ def test_drafter_layers_in_one_call_draft_as_their_modules(
     assert any(used)  # the one-call layers served the rounds (per-head q/k norms included)
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_dflash_block_in_one_call_equals_the_modules(kernel_target, trained, method, monkeypatch):
+    """One request's block through `_block_whole` (its input: the anchor's embedding, then the
+    mask vector; RoPE rows of the block's positions) gives the final states the network's modules
+    give for the same anchor and context, at two anchors."""
+    from specdecode.drafter import DraftRow
+
+    drafter = _drafter(method, trained, kernel_target)
+    prompt = short_prompts(kernel_target.tokenizer)[0]
+    dec = SpeculativeDecoder(kernel_target, drafter, FixedK(3), max_batch=1)
+    out = dec.generate([GenerationRequest(prompt, SamplingParams(), 12, ignore_eos=True)])[0]
+    ids = prompt + out.token_ids
+    L = drafter.cache.lengths[0]  # context rows: every committed token before the anchor
+    used = []
+    for anchor in (L, L - 1):
+        drafter.cache.lengths[0] = anchor
+        row = DraftRow(0, ids[: anchor + 1], SamplingParams(), torch.Generator())
+        real = type(drafter)._block_whole
+        fast = drafter._block_states([row], [0])
+        used.append(real(drafter, 0, anchor, ids[anchor]) is not None)
+        with monkeypatch.context() as m:
+            m.setattr(type(drafter), "_block_whole", lambda self, *a, **kw: None)
+            modules = drafter._block_states([row], [0])
+        torch.testing.assert_close(fast, modules, rtol=1e-4, atol=1e-4)
+    assert all(used)
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_dflash_context_rows_in_one_product_equal_the_modules(kernel_target, trained, qk_norm):
     """A DFlash / DSpark catch-up with our kernels: every layer's context keys and values from
@@ -361,13 +388,14 @@ def test_dflash_context_rows_in_one_product_equal_the_modules(kernel_target, tra
     drafter = DFlashDrafter(use_formats(net, cpu_plan(kernel_target)), kernel_target)
     assert drafter._kv_product() is not None  # the one-product path serves this drafter
     ctx = torch.randn(5, cfg.hidden_size)  # [N, d]
-    rows = torch.tensor([3, 4, 5, 6, 40])  # [N] positions (not consecutive, not from 0)
-    fast = drafter._context_kv(ctx, rows)
-    modules = net.context_kv(ctx[None], rows[None])
-    assert len(fast) == len(modules) == cfg.num_layers
-    for (k, v), (k_ref, v_ref) in zip(fast, modules, strict=True):
-        torch.testing.assert_close(k, k_ref[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, v_ref[0], rtol=1e-5, atol=1e-5)
+    # [N] positions (not consecutive, not from 0), and one request's consecutive rows as a range
+    for rows in (torch.tensor([3, 4, 5, 6, 40]), range(37, 42)):
+        fast = drafter._context_kv(ctx, rows)
+        modules = net.context_kv(ctx[None], torch.as_tensor(rows)[None])
+        assert len(fast) == len(modules) == cfg.num_layers
+        for (k, v), (k_ref, v_ref) in zip(fast, modules, strict=True):
+            torch.testing.assert_close(k, k_ref[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, v_ref[0], rtol=1e-5, atol=1e-5)
 
 
 def test_mtp_rows_in_one_call_equal_the_modules(kernel_target, trained, monkeypatch):

@@ -56,6 +56,7 @@ from specdecode.drafters.layers import (
     PlannedLinear,
     cpu_plan,
     layer_call,
+    signed_rope_rows,
     signed_rope_table,
     whole_layer_args,
 )
@@ -162,6 +163,7 @@ class DFlashDrafter(Drafter):
         self.head = PlannedLinear(self.head_w, None, self._plan) if self._plan else None
         self._kv_all = None  # every layer's context key/value product (`_kv_product`), made once
         self._mask = None  # the mask slots' vector (`_mask_vector`), made once
+        self._mask_rows = None  # the block input's mask rows (`_block_whole`), made once
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
@@ -200,12 +202,15 @@ class DFlashDrafter(Drafter):
         feats = [q[0] if len(q) == 1 else torch.cat(q) for q in (self._pending[s] for s in todo)]  # [n_s, 5d]
         self.cache.check_room(todo, [f.shape[0] for f in feats])
         starts = [self.cache.lengths[s] for s in todo]
-        rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])  # [N]
-        rows = rows.to(self.device)
+        if len(todo) == 1:  # one slot's consecutive rows
+            rows = range(starts[0], starts[0] + feats[0].shape[0])
+        else:
+            rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])
+            rows = rows.to(self.device)  # [N]
         ctx = self.net.fuse(feats[0] if len(feats) == 1 else torch.cat(feats))  # [N, d]
         kv = self._context_kv(ctx, rows)  # per layer (k, v) [N, Hk, D]
-        if len(todo) == 1:  # one slot's consecutive rows: written through views, no index tensors
-            s, r0, n = todo[0], starts[0], rows.shape[0]
+        if len(todo) == 1:  # written through views, no index tensors
+            s, r0, n = todo[0], starts[0], len(rows)
             for layer, (k, v) in enumerate(kv):
                 self.cache.k[layer][s, :, r0 : r0 + n] = k.transpose(0, 1)  # [Hk, N, D]
                 self.cache.v[layer][s, :, r0 : r0 + n] = v.transpose(0, 1)
@@ -219,12 +224,17 @@ class DFlashDrafter(Drafter):
             self.cache.commit(s, f.shape[0])
             self._pending[s] = []
 
-    def _context_kv(self, ctx: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Context features [N, d] at positions `rows` [N] -> per layer (k, v) [N, Hk, D]: the
-        network's `context_kv`; where `_kv_product` applies, every layer's keys and values from
-        one product, their per-head norms and RoPE by our kernels (same math, own rounding)."""
+    def _context_kv(
+        self, ctx: torch.Tensor, rows: torch.Tensor | range
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context features [N, d] at positions `rows` ([N], or a range of consecutive ones) ->
+        per layer (k, v) [N, Hk, D]: the network's `context_kv`; where `_kv_product` applies,
+        every layer's keys and values from one product, their per-head norms and RoPE by our
+        kernels (same math, own rounding)."""
         prod = self._kv_product()
         if prod is None:
+            if isinstance(rows, range):
+                rows = torch.arange(rows.start, rows.stop, device=self.device)
             return [(k[0], v[0]) for k, v in self.net.context_kv(ctx[None], rows[None])]
         c, ops = self.net.cfg, kernels.fused()
         N, L, Hk, D = ctx.shape[0], c.num_layers, c.num_kv_heads, c.head_dim
@@ -235,7 +245,11 @@ class DFlashDrafter(Drafter):
                 k = kv[:, i * w : (i + 1) * w]
                 normed = ops.rms_norm(k.reshape(N * Hk, D), layer.attn.k_norm.weight, c.rms_norm_eps)
                 k.copy_(normed.view(N, w))
-        ops.rope_(kv, signed_rope_table(rows, D, c.rope_theta), L * Hk)  # the keys' heads only
+        if isinstance(rows, range):  # a view of the cached table
+            cs = signed_rope_rows(rows.start, len(rows), D, c.rope_theta, self.device)  # [N, 2, D]
+        else:
+            cs = signed_rope_table(rows, D, c.rope_theta)  # [N, 2, D]
+        ops.rope_(kv, cs, L * Hk)  # the keys' heads only
         return [
             (kv[:, i * w : (i + 1) * w].view(N, Hk, D), kv[:, (L + i) * w : (L + i + 1) * w].view(N, Hk, D))
             for i in range(L)
@@ -264,14 +278,15 @@ class DFlashDrafter(Drafter):
         if lens != anchor_pos:
             raise RuntimeError(f"dflash context cache out of step: {lens} != {anchor_pos}")
         T, L = max(lens), self.net.cfg.num_layers
-        anchors = torch.tensor([batch[b].token_ids[-1] for b in idx])
+        anchors = [batch[b].token_ids[-1] for b in idx]
+        if len(slots) == 1:
+            out = self._block_whole(slots[0], T, anchors[0])
+            if out is not None:
+                return out
+        anchors = torch.tensor(anchors)
         emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
         pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
         block = self.net.block_input(emb, self._mask_vector())[:, 0]  # [B', Bk, d]
-        if len(slots) == 1:
-            out = self._block_whole(slots[0], T, block, pos)
-            if out is not None:
-                return out
         # One request reads views of the cache (no copies); several, one gather per layer.
         sl = slice(slots[0], slots[0] + 1) if len(slots) == 1 else torch.tensor(slots, device=self.device)
         ctx_kv = [(self.cache.k[i][sl, :, :T], self.cache.v[i][sl, :, :T]) for i in range(L)]
@@ -288,13 +303,14 @@ class DFlashDrafter(Drafter):
             self._mask = mask.detach().to(self.device, self.dtype)
         return self._mask
 
-    def _block_whole(self, slot: int, T: int, block: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
-        """`draft_states` for one request as one `kernels`' decode_layer call a layer (same math,
-        per-head q/k norms included; its own rounding of RoPE and attention): the block's
-        keys/values go to the cache rows past its T committed ones, which the next catch-up
-        overwrites and nothing reads before. None where the layers' products are not our
-        kernels or the cache has no room for the block."""
-        net, Bk = self.net, block.shape[1]
+    def _block_whole(self, slot: int, T: int, anchor: int) -> torch.Tensor | None:
+        """`draft_states` for one request whose block starts at the committed row T with the token
+        `anchor`, as one `kernels`' decode_layer call a layer (same math, per-head q/k norms
+        included; its own rounding of RoPE and attention): the block's keys/values go to the
+        cache rows past its T committed ones, which the next catch-up overwrites and nothing reads
+        before. The block input is `block_input`'s [anchor embedding ; mask vector x (Bk - 1)]. None
+        where the layers' products are not our kernels or the cache has no room for the block."""
+        net, Bk = self.net, self.net.cfg.block_size
         R = self.cache.k[0].shape[2]
         if self.device.type != "cpu" or self.dtype != torch.float32 or T + Bk > R:
             return None
@@ -303,9 +319,12 @@ class DFlashDrafter(Drafter):
         args = self._whole[Bk]
         if None in args:
             return None
+        if self._mask_rows is None:  # [Bk - 1, d] the mask slots' rows, made once
+            self._mask_rows = self._mask_vector().expand(Bk - 1, -1).contiguous()
+        emb = self.target.embed(torch.tensor([anchor], device=self.target.info.device))  # [1, d]
+        h = torch.cat([emb.to(self.device, self.dtype), self._mask_rows])  # [Bk, d] `block_input`'s rows
         c = net.cfg
-        cs = signed_rope_table(pos[0].to(self.device), c.head_dim, c.rope_theta)  # [Bk, 2, D]
-        h = block[0]  # [Bk, d]
+        cs = signed_rope_rows(T, Bk, c.head_dim, c.rope_theta, self.device)  # [Bk, 2, D]
         for i, layer in enumerate(net.layers):
             k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]
             h = layer_call(h, layer.input_norm.weight, args[i], cs, k, v, T, c)
