@@ -43,14 +43,14 @@ def _check_product(pack, linear, m, n, k, round_x, rows_alone):
     return x, packed
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576), (200, 64)])  # 200: sweeps
 def test_bf16w_is_the_fp32_product_of_bf16_weights(ops, m, n, k):
     # what fp32 arithmetic approximates: x as it is
     _check_product(ops.bf16w_pack, ops.bf16w_linear, m, n, k, lambda x: x, rows_alone=(m - 1,))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (5, 576), (200, 64)])
 def test_int8w_is_the_fp32_product_of_its_int8_weights(ops, m, n, k):
     """x @ (q * scale).T (+ b) in fp32 arithmetic, for the weights `int8_quantize` makes: each
