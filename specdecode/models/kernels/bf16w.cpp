@@ -171,7 +171,7 @@ void narrow_linear(const float* xp, int64_t M, int64_t K, const typename W::T* p
     switch (M - m) {
       // 7 rows left: 5 and 2, not 6 and a lone row, whose pass over blocks already in cache runs
       // 4 dependent FMA chains (latency-bound; 7 rows took 1.45-1.69x 6 rows' time, 5 + 2 1.21-1.34x,
-      // 4 + 3 1.31-1.63x, one 7-row pass of half vectors 1.8-2.3x: Zen 3, same-process alternation)
+      // 4 + 3 1.25-1.63x, one 7-row pass of half vectors 1.8-2.3x: Zen 3, same-process alternation)
       case 7:
         prange<W, 5, 1>(xr, K, pp, bp, yr, N, c0, c1);
         prange<W, 2, 2>(xr + 5 * K, K, pp, bp, yr + 5 * N, N, c0, c1);
