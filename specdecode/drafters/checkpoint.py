@@ -248,11 +248,11 @@ _OWN_INT8 = [True]  # load_net gives int8-stored drafters their own int8 plan (`
 def in_target_formats():
     """Drafters loaded inside run in the target's formats, not their own int8 plan: the other side
     of the A/B benchmarks that measure that plan."""
-    _OWN_INT8[0] = False
+    before, _OWN_INT8[0] = _OWN_INT8[0], False
     try:
         yield
     finally:
-        _OWN_INT8[0] = True
+        _OWN_INT8[0] = before  # nested: the outer context's setting again
 
 
 def load_net(path, method: str, target, build, defaults=None) -> torch.nn.Module:

@@ -93,6 +93,9 @@ def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, int
     prompts = short_prompts(tiny.tokenizer)
     ar = decode_fixed_k(tiny, ARDrafter(), 0, prompts)
     with contextlib.nullcontext() if int8w else checkpoint.in_target_formats():  # else: the target's
+        if not int8w:  # leaving a nested context keeps the outer one's setting
+            with checkpoint.in_target_formats():
+                pass
         drafter = build_drafter(method, tiny, str(out))
     net = drafter.net
     assert ("int8w" in net.formats_plan.kernels) == int8w

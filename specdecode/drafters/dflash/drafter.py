@@ -163,7 +163,6 @@ class DFlashDrafter(Drafter):
         self.head = PlannedLinear(self.head_w, None, self._plan) if self._plan else None
         self._kv_all = None  # every layer's context key/value product (`_kv_product`), made once
         self._mask = None  # the mask slots' vector (`_mask_vector`), made once
-        self._mask_rows = None  # the block input's mask rows (`_block_whole`), made once
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
@@ -278,12 +277,12 @@ class DFlashDrafter(Drafter):
         if lens != anchor_pos:
             raise RuntimeError(f"dflash context cache out of step: {lens} != {anchor_pos}")
         T, L = max(lens), self.net.cfg.num_layers
-        anchors = [batch[b].token_ids[-1] for b in idx]
+        tokens = [batch[b].token_ids[-1] for b in idx]  # the anchors
         if len(slots) == 1:
-            out = self._block_whole(slots[0], T, anchors[0])
+            out = self._block_whole(slots[0], T, tokens[0])
             if out is not None:
                 return out
-        anchors = torch.tensor(anchors)
+        anchors = torch.tensor(tokens)
         emb = self.target.embed(anchors[:, None].to(self.target.info.device)).to(self.device, self.dtype)
         pos = torch.tensor(anchor_pos)[:, None] + torch.arange(self.net.cfg.block_size)  # [B', Bk]
         block = self.net.block_input(emb, self._mask_vector())[:, 0]  # [B', Bk, d]
@@ -319,10 +318,9 @@ class DFlashDrafter(Drafter):
         args = self._whole[Bk]
         if None in args:
             return None
-        if self._mask_rows is None:  # [Bk - 1, d] the mask slots' rows, made once
-            self._mask_rows = self._mask_vector().expand(Bk - 1, -1).contiguous()
         emb = self.target.embed(torch.tensor([anchor], device=self.target.info.device))  # [1, d]
-        h = torch.cat([emb.to(self.device, self.dtype), self._mask_rows])  # [Bk, d] `block_input`'s rows
+        mask = self._mask_vector().expand(Bk - 1, -1)  # [Bk - 1, d]
+        h = torch.cat([emb.to(self.device, self.dtype), mask])  # [Bk, d] `block_input`'s rows
         c = net.cfg
         cs = signed_rope_rows(T, Bk, c.head_dim, c.rope_theta, self.device)  # [Bk, 2, D]
         for i, layer in enumerate(net.layers):

@@ -70,8 +70,7 @@ class DSparkDrafter(DFlashDrafter):
         if threshold_on not in THRESHOLD_ON:
             raise SpecDecodeError(f"threshold_on must be one of {THRESHOLD_ON}, got {threshold_on!r}")
         self.threshold, self.threshold_on = confidence_threshold, threshold_on
-        self.t2d = t2d_table(net.d2t, self.vocab_rows).to(self.device)  # [V]
-        self._t2d = self.t2d.tolist()  # the same table as Python ints (a request's anchor)
+        self.t2d = t2d_table(net.d2t, self.vocab_rows).tolist()  # [V] target id -> draft id, Python ints
         self.conf_w, self.conf_row = (t.to(self.device) for t in net.confidence_tables())  # [d], [Vd + 1]
         dtype = net.W2.weight.dtype
         Vd = net.cfg.draft_vocab_size
@@ -98,7 +97,7 @@ class DSparkDrafter(DFlashDrafter):
         return children
 
     def _anchor_draft_id(self, token: int) -> int:
-        return self._t2d[token]
+        return self.t2d[token]
 
     def _markov_op(self, U: torch.Tensor, name: str):
         """`kernels`' Markov op `name` where it applies (the extension built, the Markov table held,
@@ -120,7 +119,7 @@ class DSparkDrafter(DFlashDrafter):
         U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
         z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
-        prev = torch.tensor([self._t2d[batch[b].token_ids[-1]] for b in idx], device=self.device)  # [B']
+        prev = torch.tensor([self.t2d[batch[b].token_ids[-1]] for b in idx], device=self.device)  # [B']
         chain = greedy and self.threshold is None and self._chain_op(U)
         # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
         # with the uniforms the loop below would draw (per request, position by position).
