@@ -9,7 +9,8 @@ Contract:
   With `qk_norm` it has per-head RMSNorms `q_norm` / `k_norm` (weights [D]) applied to q and k
   before RoPE, as Qwen3 does; `kv(x)` gives the keys/values alone (same norm and RoPE).
 - `attend(q [B, N, H, D], k [B, M, Hk, D], v, mask [B, N, M] bool or None)` -> `[B, N, H*D]`.
-- `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site).
+- `SwiGLU`: the Llama MLP. `RMSNorm` is `torch.nn.RMSNorm` (re-exported for one import site);
+  `norm_eps(norm)` the epsilon it adds in fp32.
 - `use_formats(net, plan)`: for inference, every `nn.Linear` of `net` becomes a `PlannedLinear`
   whose product runs in a `models.formats` plan (the target's measured formats, e.g. bf16 AMX
   tiles for a few rows) instead of a plain fp32 matmul; q/k/v (and k/v alone) and gate/up run
@@ -215,6 +216,11 @@ class SwiGLU(nn.Module):
         return self.down_proj(act).view(*x.shape[:-1], -1)
 
 
+def norm_eps(norm: nn.RMSNorm) -> float:
+    """The epsilon an fp32 nn.RMSNorm adds (its own, else nn.RMSNorm's default)."""
+    return norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+
+
 class FusedRMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose fp32 CPU inference runs our one-pass kernel (models/kernels)."""
 
@@ -223,8 +229,7 @@ class FusedRMSNorm(nn.RMSNorm):
         if ops is None or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight is None:
             return super().forward(x)
         d = x.shape[-1]
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
-        return ops.rms_norm(x.reshape(-1, d), self.weight, eps).view(x.shape)
+        return ops.rms_norm(x.reshape(-1, d), self.weight, norm_eps(self)).view(x.shape)
 
 
 class PlannedLinear(nn.Module):

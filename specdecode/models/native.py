@@ -460,6 +460,7 @@ class NativeDecoder(nn.Module):
                 s.num_kv_heads,
                 s.head_dim,
                 capture,
+                [],
             )
             return out[0], dict(zip(capture, out[1:], strict=True))
 

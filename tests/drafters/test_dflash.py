@@ -153,8 +153,9 @@ def test_dspark_drafts_alike_with_and_without_the_markov_table(trained, tiny, mo
         monkeypatch.setattr(dspark_drafter, "MARKOV_TABLE_BYTES", budget)
         drafter = load_dspark(out, tiny)
         assert (drafter.markov is None) == (budget == 0)
-        if not op:
+        if not op:  # the per-slot loop (a greedy round in one call: test_learned)
             drafter._chain_op = lambda U, sampled=False: None
+            drafter._round_op = lambda states, rows: None
         chained.append(bool(drafter._chain_op(torch.zeros(1, 1, 1), sampled=temperature > 0)))
         proposals, inner = [], drafter.propose
 

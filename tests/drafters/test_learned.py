@@ -369,6 +369,68 @@ def test_dflash_block_in_one_call_equals_the_modules(kernel_target, trained, met
     assert all(used)
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_dflash_catch_up_in_one_call_writes_the_rows_of_the_python_path(
+    kernel_target, trained, method, monkeypatch
+):
+    """One slot's catch-up through `kernels`' context_rows (fusion, key/value product, key norms,
+    RoPE and the cache writes in one call) leaves the drafter's cache holding, bit for bit, what
+    the Python path (`fuse`, `_context_kv`, writes through views) leaves, and drafts alike."""
+    prompts = short_prompts(kernel_target.tokenizer)[:2]
+    drafter = _drafter(method, trained, kernel_target)
+    real, used = type(drafter)._context_rows, []
+
+    def counted(self, *a, **kw):
+        used.append(real(self, *a, **kw))
+        return used[-1]
+
+    monkeypatch.setattr(type(drafter), "_context_rows", counted)
+    caches, outs = [], []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(type(drafter), "_context_rows", lambda self, *a, **kw: False)
+        d = drafter if one_call else _drafter(method, trained, kernel_target)
+        outs.append([r.token_ids for r in decode_fixed_k(kernel_target, d, 3, prompts, max_batch=1)])
+        n = d.cache.lengths[0]  # the last request's committed context rows
+        caches.append(d.cache.kv[:, :, 0, :, :n].clone())
+    assert outs[0] == outs[1]
+    assert caches[0].shape == caches[1].shape and torch.equal(caches[0], caches[1])
+    assert used and all(used)  # every catch-up ran as one call
+
+
+def test_dspark_greedy_round_in_one_call_drafts_as_the_slot_loop(kernel_target, trained, monkeypatch):
+    """A greedy DSpark round through `kernels`' markov_draft (head product, Markov chain and the
+    slots' confidences in one call) proposes the drafts of the per-slot Python loop, with its
+    confidences up to rounding, and generates the same tokens."""
+    prompts = short_prompts(kernel_target.tokenizer)
+    runs = []
+    for one_call in (True, False):
+        drafter = _drafter("dspark", trained, kernel_target)
+        temp, bias = drafter.net.sts_temperature, drafter.net.sts_bias  # [Bk]: distinct per slot
+        with torch.no_grad():
+            temp.copy_(torch.linspace(0.6, 1.8, len(temp)))
+            bias.copy_(torch.linspace(-0.5, 0.5, len(bias)))
+        if one_call:
+            assert drafter._round_op(torch.zeros(1, 3, 4), 3) is not None  # it applies here
+        else:
+            drafter._round_op = lambda states, rows: None
+            drafter._chain_op = lambda U, sampled=False: None
+        proposals, inner = [], drafter.propose
+
+        def propose(batch, num_draft, inner=inner, proposals=proposals):
+            proposals.append(inner(batch, num_draft))
+            return proposals[-1]
+
+        drafter.propose = propose
+        res = decode_fixed_k(kernel_target, drafter, 4, prompts, max_batch=8)
+        runs.append(([r.token_ids for r in res], proposals))
+    (tokens_a, props_a), (tokens_b, props_b) = runs
+    assert tokens_a == tokens_b and len(props_a) == len(props_b) > 2
+    for a, b in zip(props_a, props_b, strict=True):
+        assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
+        torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_dflash_context_rows_in_one_product_equal_the_modules(kernel_target, trained, qk_norm):
     """A DFlash / DSpark catch-up with our kernels: every layer's context keys and values from

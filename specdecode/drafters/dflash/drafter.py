@@ -7,7 +7,9 @@ Contract:
   absolute position): `advance` queues the features of the verified block's kept rows (the
   anchor and the accepted drafts), the next `propose` fuses them and appends their per-layer
   keys/values (one batched projection, no layer pass: context rows are injected, not run; with our
-  CPU kernels one product for every layer's keys and values, `_context_kv`).
+  CPU kernels one product for every layer's keys and values, `_context_kv`, and for one slot the
+  whole catch-up in one `kernels`' context_rows call, `_context_rows`). With our kernels, one
+  request's block runs every layer in one decode_layers call (`_block_whole`).
 - `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k (MASK:
   the learned `mask_emb`, or the target's embedding of `mask_token_id` when the config sets one),
   attending to the context rows (all strictly before the anchor) and to the whole block; the
@@ -55,7 +57,7 @@ from specdecode.drafters.layers import (
     DraftVocab,
     PlannedLinear,
     cpu_plan,
-    layer_call,
+    norm_eps,
     signed_rope_rows,
     signed_rope_table,
     whole_layer_args,
@@ -201,19 +203,18 @@ class DFlashDrafter(Drafter):
         feats = [q[0] if len(q) == 1 else torch.cat(q) for q in (self._pending[s] for s in todo)]  # [n_s, 5d]
         self.cache.check_room(todo, [f.shape[0] for f in feats])
         starts = [self.cache.lengths[s] for s in todo]
-        if len(todo) == 1:  # one slot's consecutive rows
-            rows = range(starts[0], starts[0] + feats[0].shape[0])
-        else:
-            rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])
-            rows = rows.to(self.device)  # [N]
-        ctx = self.net.fuse(feats[0] if len(feats) == 1 else torch.cat(feats))  # [N, d]
-        kv = self._context_kv(ctx, rows)  # per layer (k, v) [N, Hk, D]
-        if len(todo) == 1:  # written through views, no index tensors
-            s, r0, n = todo[0], starts[0], len(rows)
+        if len(todo) == 1 and self._context_rows(todo[0], starts[0], feats[0]):
+            pass  # one slot's rows in one `kernels`' call
+        elif len(todo) == 1:  # one slot's consecutive rows, written through views
+            s, r0, n = todo[0], starts[0], feats[0].shape[0]
+            kv = self._context_kv(self.net.fuse(feats[0]), range(r0, r0 + n))  # per layer (k, v) [N, Hk, D]
             for layer, (k, v) in enumerate(kv):
                 self.cache.k[layer][s, :, r0 : r0 + n] = k.transpose(0, 1)  # [Hk, N, D]
                 self.cache.v[layer][s, :, r0 : r0 + n] = v.transpose(0, 1)
         else:
+            rows = torch.cat([torch.arange(r0, r0 + len(f)) for r0, f in zip(starts, feats, strict=True)])
+            rows = rows.to(self.device)  # [N]
+            kv = self._context_kv(self.net.fuse(torch.cat(feats)), rows)  # per layer (k, v) [N, Hk, D]
             sl = torch.cat([torch.full((f.shape[0],), s) for s, f in zip(todo, feats, strict=True)])  # [N]
             sl = sl.to(self.device)
             for layer, (k, v) in enumerate(kv):
@@ -222,6 +223,30 @@ class DFlashDrafter(Drafter):
         for s, f in zip(todo, feats, strict=True):
             self.cache.commit(s, f.shape[0])
             self._pending[s] = []
+
+    def _context_rows(self, slot: int, r0: int, feats: torch.Tensor) -> bool:
+        """One slot's new context rows (features [N, 5d] at cache rows r0..) fused, projected and
+        written by one `kernels`' context_rows call: `fuse` then `_context_kv`'s product, per-head
+        key norms and RoPE, then the cache writes, the same functions in the same order (so the
+        same values). False where it does not apply (the fused product `_kv_product` absent, or
+        the fusion's product not one of our kernels at N rows); nothing is written then."""
+        prod, fc, norm = self._kv_product(), self.net.fc, self.net.ctx_norm
+        ops = kernels.fused()
+        if prod is None or not hasattr(ops, "context_rows") or not isinstance(fc, PlannedLinear):
+            return False
+        if feats.dtype != torch.float32 or norm.weight is None:
+            return False
+        n = feats.shape[0]
+        a, b = fc.product.ours(n), prod.ours(n)
+        if a is None or b is None or a[3] is not None or b[3] is not None:
+            return False
+        c = self.net.cfg
+        k_norms = [ly.attn.k_norm.weight for ly in self.net.layers] if c.qk_norm else []
+        cs = signed_rope_rows(r0, n, c.head_dim, c.rope_theta, self.device)  # [N, 2, D]
+        dst = self.cache.kv[:, :, slot : slot + 1, :, r0 : r0 + n].transpose(3, 4)  # [2, L, 1, N, Hk, D]
+        L, Hk, D, eps = c.num_layers, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        ops.context_rows(feats, *a[:3], norm.weight, norm_eps(norm), *b[:3], k_norms, eps, cs, dst, L, Hk, D)
+        return True
 
     def _context_kv(
         self, ctx: torch.Tensor, rows: torch.Tensor | range
@@ -304,29 +329,47 @@ class DFlashDrafter(Drafter):
 
     def _block_whole(self, slot: int, T: int, anchor: int) -> torch.Tensor | None:
         """`draft_states` for one request whose block starts at the committed row T with the token
-        `anchor`, as one `kernels`' decode_layer call a layer (same math, per-head q/k norms
-        included; its own rounding of RoPE and attention): the block's keys/values go to the
-        cache rows past its T committed ones, which the next catch-up overwrites and nothing reads
-        before. The block input is `block_input`'s [anchor embedding ; mask vector x (Bk - 1)]. None
-        where the layers' products are not our kernels or the cache has no room for the block."""
+        `anchor`, every layer in one `kernels`' decode_layers call (decode_layer a layer, per-head
+        q/k norms included: same math, its own rounding of RoPE and attention): the block's
+        keys/values go to the cache rows past its T committed ones, which the next catch-up
+        overwrites and nothing reads before. The block input is `block_input`'s [anchor embedding ;
+        mask vector x (Bk - 1)]. None where the layers' products are not our kernels or the cache
+        has no room for the block."""
         net, Bk = self.net, self.net.cfg.block_size
         R = self.cache.k[0].shape[2]
-        if self.device.type != "cpu" or self.dtype != torch.float32 or T + Bk > R:
+        if self.device.type != "cpu" or self.dtype != torch.float32 or T + Bk > R or net.norm.weight is None:
             return None
         if Bk not in self._whole:
-            self._whole[Bk] = [whole_layer_args(ly.attn, ly.mlp, ly.post_norm, Bk) for ly in net.layers]
-        args = self._whole[Bk]
-        if None in args:
+            self._whole[Bk] = self._layers_args(Bk)
+        if self._whole[Bk] is None:
             return None
+        ws, ns, bs, norms = self._whole[Bk]
         emb = self.target.embed(torch.tensor([anchor], device=self.target.info.device))  # [1, d]
         mask = self._mask_vector().expand(Bk - 1, -1)  # [Bk - 1, d]
-        h = torch.cat([emb.to(self.device, self.dtype), mask])  # [Bk, d] `block_input`'s rows
+        rows = torch.cat([emb.to(self.device, self.dtype), mask])  # [Bk, d] `block_input`'s rows
         c = net.cfg
         cs = signed_rope_rows(T, Bk, c.head_dim, c.rope_theta, self.device)  # [Bk, 2, D]
-        for i, layer in enumerate(net.layers):
-            k, v = self.cache.k[i][slot : slot + 1], self.cache.v[i][slot : slot + 1]  # [1, Hk, R, D]
-            h = layer_call(h, layer.input_norm.weight, args[i], cs, k, v, T, c)
-        return net.norm(h)[None]
+        kv = self.cache.kv[:, :, slot : slot + 1]  # [2, L, 1, Hk, R, D]
+        dst, src = kv[:, :, :, :, T : T + Bk].transpose(3, 4), kv[:, :, :, :, : T + Bk]
+        eps, H, Hk, D = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
+        ops = kernels.fused()
+        h = ops.decode_layers(rows, ws, ns, bs, cs, dst, src, None, eps, H, Hk, D, [], norms)[0]  # [Bk, d]
+        return ops.rms_norm(h, net.norm.weight, norm_eps(net.norm))[None]  # FusedRMSNorm's call
+
+    def _layers_args(self, Bk: int) -> tuple | None:
+        """decode_layers' arguments for a block of Bk rows (weights, kinds and sizes, QKV biases,
+        per-head q/k norms), or None where a layer's products are not all our kernels."""
+        ws, ns, bs, norms = [], [], [], []
+        for ly in self.net.layers:
+            got = whole_layer_args(ly.attn, ly.mlp, ly.post_norm, Bk)
+            if got is None:
+                return None
+            (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd), qk = got
+            ws += [ly.input_norm.weight, pq, po, ln2, pg, pd]
+            ns += [kq, nq, ko, no, kg, ng, kd, nd]
+            bs.append(bq)
+            norms += [qk["q_norm"], qk["k_norm"]] if qk else []
+        return ws, ns, bs, norms
 
     # ---- propose --------------------------------------------------------------------------
     def _logits(self, states: torch.Tensor) -> torch.Tensor:

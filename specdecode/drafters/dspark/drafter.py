@@ -11,7 +11,9 @@ Contract:
   `DSpark.markov_table()` (one row gathered per slot, in the network's format) when the table
   fits `MARKOV_TABLE_BYTES`, else computed per slot. With every request greedy and no
   threshold, the pass over a CPU table is one compiled call (`markov_argmax`: the same fp32
-  sums and first-maximum argmax as the per-slot loop, so the same drafts).
+  sums and first-maximum argmax as the per-slot loop, so the same drafts); where the head is one
+  of our kernels too, the head product, that pass and the confidences are one call
+  (`kernels`' markov_draft, `_round_op`; confidences equal to rounding).
 - Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
   slots' state parts, one table entry per slot for the previous token's part), per slot only
   when a threshold needs it, else for all slots after the pass. When every request of the batch
@@ -76,6 +78,7 @@ class DSparkDrafter(DFlashDrafter):
         Vd = net.cfg.draft_vocab_size
         fits = (Vd + 1) * Vd * dtype.itemsize <= MARKOV_TABLE_BYTES
         self.markov = net.markov_table().to(self.device, dtype) if fits else None  # [Vd + 1, Vd]
+        self._round_ops: dict = {}  # rows -> `_round_op`'s call, or None
 
     def _correction(self, prev: torch.Tensor) -> torch.Tensor:  # [n] draft ids -> [n, Vd]: W2(W1[prev])
         if self.markov is not None:
@@ -106,6 +109,33 @@ class DSparkDrafter(DFlashDrafter):
         cpu_f32 = U.device.type == "cpu" and U.dtype == torch.float32
         return getattr(ops, name, None) if ops is not None and self.markov is not None and cpu_f32 else None
 
+    def _round_op(self, states: torch.Tensor, rows: int):
+        """`kernels`' markov_draft for a greedy round without a threshold, as (states [B', K, d],
+        prev [B'], temp, bias) -> (draft ids [B', K], confidences [B', K]): the head product over
+        `rows` rows, the greedy Markov chain (markov_argmax's) and c_k, where it applies (the
+        extension built, the Markov table held, fp32 states on the CPU, the head one of our
+        kernels at that many rows); else None."""
+        if states.device.type != "cpu" or states.dtype != torch.float32:
+            return None
+        if rows not in self._round_ops:  # made once per number of rows
+            self._round_ops[rows] = self._make_round_op(rows)
+        return self._round_ops[rows]
+
+    def _make_round_op(self, rows: int):
+        ops = kernels.fused()
+        if ops is None or not hasattr(ops, "markov_draft") or self.markov is None or self.head is None:
+            return None
+        head = self.head.product.ours(rows)
+        if head is None or head[3] is not None:
+            return None
+        kind, packed, n_out, _ = head
+        table, off, w, row = self.markov, self.vocab.off, self.conf_w.float(), self.conf_row.float()
+
+        def run(s, prev, temp, bias):
+            return ops.markov_draft(s, kind, packed, n_out, table, prev, off, w, row, temp, bias)
+
+        return run
+
     def _chain_op(self, U: torch.Tensor, sampled: bool = False):
         """The compiled Markov pass when it applies, else None: greedy (`kernels`' markov_argmax)
         or sampled at a plain temperature (markov_sample)."""
@@ -116,10 +146,14 @@ class DSparkDrafter(DFlashDrafter):
         num = list(num)
         params = [batch[b].params for b in idx]
         greedy = all(row.params.greedy for row in batch)  # point masses: q stays None
-        U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
-        z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
         prev = torch.tensor([self.t2d[batch[b].token_ids[-1]] for b in idx], device=self.device)  # [B']
+        whole = greedy and self.threshold is None and self._round_op(states, n * K)
+        if whole:  # head, greedy chain and confidences in one call
+            ids, conf = whole(states[:, :K], prev, temp, bias)  # [B', K], [B', K]
+            return self.vocab.to_target(ids), None, num, {"confidences": conf}
+        U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
+        z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
         chain = greedy and self.threshold is None and self._chain_op(U)
         # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
         # with the uniforms the loop below would draw (per request, position by position).

@@ -18,9 +18,20 @@
 // of `capture` in its order]: decode_layer for layers 0..L-1 in turn, layer i's products and norms
 // w[6i..6i+6) = (ln1, qkv packed, o packed, ln2, gu packed, down packed), n[8i..8i+8) = (qkv kind, n,
 // o kind, n, gu kind, n, down kind, n), qkv_b[i] its QKV bias, its cache views dst[0][i], dst[1][i]
-// (new keys, values) and src[0][i], src[1][i] (what attention reads). The same calls in the same
+// (new keys, values) and src[0][i], src[1][i] (what attention reads), and with qk_norms (empty, or
+// 2L tensors) layer i's per-head q/k norms qk_norms[2i], qk_norms[2i + 1]. The same calls in the same
 // order as one decode_layer call a layer (the Python loop over layers), so the same result bit for
 // bit; what goes is that loop's interpreter and dispatcher time and its per-layer views.
+// context_rows(feats [N, F], fc, ctx_norm_w, ctx_eps, kv, k_norms, eps, cs [N, 2, D], dst
+//              [2, L, B, N, Hk, D], L, Hk, D): a DFlash/DSpark catch-up: ctx = rms(fc(feats),
+// ctx_norm_w), kv = the product of every layer's keys then values [N, 2 L Hk D], each layer's keys
+// normed per head by k_norms[i] (when given), RoPE on the keys, written to dst[0][i] / dst[1][i]
+// (DFlashDrafter's fuse and _context_kv: the same functions in the same order, the same values).
+// markov_draft(states [n, K, d], head, table [R, Vd], prev [n], off, conf_w [d], conf_row [R],
+//              temp, bias) -> (ids [n, K], conf [n, K]): a greedy DSpark round after its backbone:
+// U = head(states), markov_argmax's chain over U from prev, and the confidence of slot k,
+// sigmoid((states[:, k] . conf_w + conf_row[x_{k-1}]) / temp[k] + bias[k]) (its own rounding of
+// the dot product: the drafts are the Python loop's, the confidences equal to rounding).
 // eagle_chain(state [1, d], K, head, ...) -> [K] draft ids: EAGLE-3's greedy chain of one request
 // (head product, argmax over the ids not `off`, embed, decode_layer), and
 // eagle_chain_sampled(..., uniforms [K], temperature) -> ([K] ids, q [K, Vd]): draft j drawn from
@@ -67,6 +78,8 @@ torch::Tensor silu_mul(const torch::Tensor& gu);
 torch::Tensor attention_tokens(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
+torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
+                            const c10::optional<torch::Tensor>& off);
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q);
 const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
 
@@ -170,8 +183,10 @@ std::vector<torch::Tensor> decode_layers(const torch::Tensor& x, at::TensorList 
                                          const c10::List<c10::optional<torch::Tensor>>& qkv_b,
                                          const torch::Tensor& cs, const torch::Tensor& dst, const torch::Tensor& src,
                                          const c10::optional<torch::Tensor>& mask, double eps, int64_t H, int64_t Hk,
-                                         int64_t D, at::IntArrayRef capture) {
+                                         int64_t D, at::IntArrayRef capture, at::TensorList qk_norms) {
   const int64_t L = static_cast<int64_t>(qkv_b.size());
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * L,
+              "qk_norms must be empty or hold (q_norm, k_norm) per layer");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 6 * L && static_cast<int64_t>(n.size()) == 8 * L,
               "w must hold 6 tensors and n 8 ints per layer (qkv_b one entry per layer)");
   TORCH_CHECK(dst.dim() == 6 && src.dim() == 6 && dst.size(0) == 2 && src.size(0) == 2 && dst.size(1) == L &&
@@ -185,9 +200,11 @@ std::vector<torch::Tensor> decode_layers(const torch::Tensor& x, at::TensorList 
   for (int64_t i = 0; i < L; ++i) {
     const torch::Tensor* wi = w.data() + 6 * i;
     const int64_t* ni = n.data() + 8 * i;
+    const c10::optional<torch::Tensor> qn = qk_norms.empty() ? none : c10::optional<torch::Tensor>(qk_norms[2 * i]);
+    const c10::optional<torch::Tensor> kn = qk_norms.empty() ? none : c10::optional<torch::Tensor>(qk_norms[2 * i + 1]);
     h = decode_layer(h, wi[0], ni[0], wi[1], ni[1], qkv_b.get(i), ni[2], wi[2], ni[3], wi[3], ni[4], wi[4], ni[5],
                      ni[6], wi[5], ni[7], cs, dst[0][i], dst[1][i], src[0][i], src[1][i], mask, eps, H, Hk, D, none,
-                     none, none);
+                     qn, kn);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == i) out[1 + c] = h;
   }
@@ -336,7 +353,79 @@ std::tuple<torch::Tensor, torch::Tensor> head_draft(const torch::Tensor& state, 
   return {ids, q};
 }
 
+void context_rows(const torch::Tensor& feats, int64_t fc_kind, const torch::Tensor& fc_p, int64_t fc_n,
+                  const torch::Tensor& ctx_norm_w, double ctx_eps, int64_t kv_kind, const torch::Tensor& kv_p,
+                  int64_t kv_n, at::TensorList k_norms, double eps, const torch::Tensor& cs, torch::Tensor dst,
+                  int64_t L, int64_t Hk, int64_t D) {
+  TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32, "feats must be [N, F] float32");
+  const int64_t N = feats.size(0), w = Hk * D;
+  TORCH_CHECK(kv_n == 2 * L * w, "the key/value product must give 2 L Hk D outputs");
+  TORCH_CHECK(k_norms.empty() || static_cast<int64_t>(k_norms.size()) == L, "k_norms must be empty or one per layer");
+  TORCH_CHECK(dst.dim() == 6 && dst.size(0) == 2 && dst.size(1) == L && dst.size(2) * dst.size(3) == N,
+              "dst must be [2, L, B, N, Hk, D] with B * N = feats' rows");
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see the note above `decode_layer`
+  const c10::optional<torch::Tensor> none;
+  const auto ctx = rms_norm(product(fc_kind, feats, fc_p, fc_n, none), ctx_norm_w, ctx_eps);  // [N, d]
+  auto kv = product(kv_kind, ctx, kv_p, kv_n, none);  // [N, 2 L Hk D]: every layer's keys, then values
+  for (int64_t i = 0; i < static_cast<int64_t>(k_norms.size()); ++i) {
+    auto k = kv.narrow(1, i * w, w);
+    k.copy_(rms_norm(k.reshape({N * Hk, D}), k_norms[i], eps).view({N, w}));
+  }
+  rope_(kv, cs, L * Hk);  // the keys' heads only
+  for (int64_t i = 0; i < L; ++i) {
+    auto kd = dst[0][i], vd = dst[1][i];
+    write_rows(kv, i * w, kd);
+    write_rows(kv, (L + i) * w, vd);
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> markov_draft(const torch::Tensor& states, int64_t head_kind,
+                                                      const torch::Tensor& head_p, int64_t head_n,
+                                                      const torch::Tensor& table, const torch::Tensor& prev,
+                                                      const c10::optional<torch::Tensor>& off,
+                                                      const torch::Tensor& conf_w, const torch::Tensor& conf_row,
+                                                      const torch::Tensor& temp, const torch::Tensor& bias) {
+  TORCH_CHECK(states.dim() == 3 && states.scalar_type() == torch::kFloat32, "states must be [n, K, d] float32");
+  const int64_t n = states.size(0), K = states.size(1), d = states.size(2);
+  TORCH_CHECK(conf_w.scalar_type() == torch::kFloat32 && conf_w.numel() == d, "conf_w must be [d] float32");
+  TORCH_CHECK(conf_row.scalar_type() == torch::kFloat32 && conf_row.dim() == 1 && conf_row.size(0) == table.size(0),
+              "conf_row must be float32 with one entry per table row");
+  TORCH_CHECK(temp.scalar_type() == torch::kFloat32 && bias.scalar_type() == torch::kFloat32 && temp.numel() >= K &&
+                  bias.numel() >= K,
+              "temp and bias must be float32 with an entry per slot");
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see the note above `decode_layer`
+  const c10::optional<torch::Tensor> none;
+  const auto sc = states.contiguous();
+  const auto u = product(head_kind, sc.view({n * K, d}), head_p, head_n, none).view({n, K, head_n});
+  auto ids = markov_argmax(u, table, prev, off);  // [n, K]
+  auto conf = torch::empty({n, K}, sc.options());
+  const float* sp = sc.data_ptr<float>();
+  const float* w = conf_w.contiguous().data_ptr<float>();
+  const auto rowc = conf_row.contiguous(), tc = temp.contiguous(), bc = bias.contiguous();
+  const float *row = rowc.data_ptr<float>(), *tp = tc.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const auto pc = prev.contiguous();
+  float* cp = conf.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      const float* s = sp + (i * K + k) * d;
+      float z = 0.f;
+      for (int64_t e = 0; e < d; ++e) z += s[e] * w[e];
+      const int64_t p = k ? idp[i * K + k - 1] : pc.data_ptr<int64_t>()[i];
+      const float a = (z + row[p]) / tp[k] + bp[k];
+      cp[i * K + k] = 1.f / (1.f + std::exp(-a));
+    }
+  return {ids, conf};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def(
+      "context_rows(Tensor feats, int fc_kind, Tensor fc_p, int fc_n, Tensor ctx_norm_w, float ctx_eps, "
+      "int kv_kind, Tensor kv_p, int kv_n, Tensor[] k_norms, float eps, Tensor cs, Tensor(a!) dst, int L, "
+      "int Hk, int D) -> ()");
+  m.def(
+      "markov_draft(Tensor states, int head_kind, Tensor head_p, int head_n, Tensor table, Tensor prev, "
+      "Tensor? off, Tensor conf_w, Tensor conf_row, Tensor temp, Tensor bias) -> (Tensor, Tensor)");
   m.def(
       "eagle_chain(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, Tensor? off, "
       "Tensor d2t, Tensor embed, Tensor in_w, Tensor hid_w, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, "
@@ -361,7 +450,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "float uniform, float temperature) -> (Tensor, Tensor)");
   m.def(
       "decode_layers(Tensor x, Tensor[] w, int[] n, Tensor?[] qkv_b, Tensor cs, Tensor(a!) dst, Tensor src, "
-      "Tensor? mask, float eps, int H, int Hk, int D, int[] capture) -> Tensor[]");
+      "Tensor? mask, float eps, int H, int Hk, int D, int[] capture, Tensor[] qk_norms) -> Tensor[]");
   m.def(
       "decode_layer(Tensor x, Tensor ln1, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, int o_kind, "
       "Tensor o_p, int o_n, Tensor ln2, int gu_kind, Tensor gu_p, int gu_n, int down_kind, Tensor down_p, "
@@ -376,4 +465,6 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("eagle_chain_sampled", &eagle_chain_sampled);
   m.impl("mtp_module", &mtp_module);
   m.impl("head_draft", &head_draft);
+  m.impl("markov_draft", &markov_draft);
+  m.impl("context_rows", &context_rows);
 }
