@@ -415,7 +415,7 @@ class DraftVocab:
         return torch.log_softmax(self._emittable(small_logits), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] draft ids -> target ids
-        return self.d2t.to(draft_ids.device)[draft_ids]
+        return torch.take(self.d2t.to(draft_ids.device), draft_ids)
 
 
 class SoftTargets:

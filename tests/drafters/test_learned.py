@@ -398,11 +398,14 @@ def test_dflash_catch_up_in_one_call_writes_the_rows_of_the_python_path(
     assert used and all(used)  # every catch-up ran as one call
 
 
-def test_dspark_greedy_round_in_one_call_drafts_as_the_slot_loop(kernel_target, trained, monkeypatch):
-    """A greedy DSpark round through `kernels`' markov_draft (head product, Markov chain and the
-    slots' confidences in one call) proposes the drafts of the per-slot Python loop, with its
-    confidences up to rounding, and generates the same tokens."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dspark_round_in_one_call_drafts_as_the_slot_loop(kernel_target, trained, temperature):
+    """A DSpark round through `kernels`' markov_draft (head product, Markov chain, greedy or
+    sampled with the loop's uniforms, and the slots' confidences in one call) proposes the drafts
+    of the per-slot Python loop, with its q and confidences up to rounding, and generates the same
+    tokens."""
     prompts = short_prompts(kernel_target.tokenizer)
+    params = SamplingParams(temperature=temperature)
     runs = []
     for one_call in (True, False):
         drafter = _drafter("dspark", trained, kernel_target)
@@ -422,13 +425,16 @@ def test_dspark_greedy_round_in_one_call_drafts_as_the_slot_loop(kernel_target, 
             return proposals[-1]
 
         drafter.propose = propose
-        res = decode_fixed_k(kernel_target, drafter, 4, prompts, max_batch=8)
+        res = decode_fixed_k(kernel_target, drafter, 4, prompts, params, max_batch=8)
         runs.append(([r.token_ids for r in res], proposals))
     (tokens_a, props_a), (tokens_b, props_b) = runs
     assert tokens_a == tokens_b and len(props_a) == len(props_b) > 2
     for a, b in zip(props_a, props_b, strict=True):
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
         torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"], rtol=1e-5, atol=1e-6)
+        assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
+        if temperature > 0:
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])

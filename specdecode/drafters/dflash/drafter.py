@@ -344,7 +344,7 @@ class DFlashDrafter(Drafter):
         if self._whole[Bk] is None:
             return None
         ws, ns, bs, norms = self._whole[Bk]
-        emb = self.target.embed(torch.tensor([anchor], device=self.target.info.device))  # [1, d]
+        emb = self.target.embed(torch.tensor([anchor]).to(self.target.info.device))  # [1, d]
         mask = self._mask_vector().expand(Bk - 1, -1)  # [Bk - 1, d]
         rows = torch.cat([emb.to(self.device, self.dtype), mask])  # [Bk, d] `block_input`'s rows
         c = net.cfg
@@ -385,6 +385,16 @@ class DFlashDrafter(Drafter):
             ]
         )
 
+    def _uniform_rows(self, batch, idx, num, K) -> torch.Tensor:
+        """[B', K]: `_uniforms` of positions 0..K-1 at once: request b's first num[b] drawn from
+        its generator in one call (the same values, the generator left in the same state), zeros
+        after."""
+        u = torch.zeros(len(idx), K)
+        for i, (b, n) in enumerate(zip(idx, num, strict=True)):
+            if n > 0:
+                u[i, :n] = torch.rand(n, generator=batch[b].generator)
+        return u
+
     def _draft(self, batch, idx, states, num):
         """states [B', Bk, d] -> draft ids [B', K], q [B', K, Vd] (draft vocabulary; None when
         every request of the batch is greedy: the drafts are point masses), extras."""
@@ -395,7 +405,7 @@ class DFlashDrafter(Drafter):
         if all(row.params.greedy for row in batch):  # point masses at the argmax (q None)
             x, q = self.vocab.argmax(small), None  # [B', K]; no uniforms: nothing samples
         else:
-            u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
+            u = self._uniform_rows(batch, idx, num, K)  # [B', K]
             q = self.vocab.probs(small, params)  # [B', K, Vd]
             x = sample(q, u.to(q.device))
         return self.vocab.to_target(x).cpu(), q, num, {}

@@ -11,9 +11,10 @@ Contract:
   `DSpark.markov_table()` (one row gathered per slot, in the network's format) when the table
   fits `MARKOV_TABLE_BYTES`, else computed per slot. With every request greedy and no
   threshold, the pass over a CPU table is one compiled call (`markov_argmax`: the same fp32
-  sums and first-maximum argmax as the per-slot loop, so the same drafts); where the head is one
-  of our kernels too, the head product, that pass and the confidences are one call
-  (`kernels`' markov_draft, `_round_op`; confidences equal to rounding).
+  sums and first-maximum argmax as the per-slot loop, so the same drafts), and so is the pass
+  sampled at one plain temperature (markov_sample); where the head is one of our kernels too,
+  the head product, that pass and the confidences are one call (`kernels`' markov_draft,
+  `_round_op`; confidences equal to rounding).
 - Inference reads the confidence head as `DSpark.confidence_tables()` (one product for all
   slots' state parts, one table entry per slot for the previous token's part), per slot only
   when a threshold needs it, else for all slots after the pass. When every request of the batch
@@ -110,11 +111,12 @@ class DSparkDrafter(DFlashDrafter):
         return getattr(ops, name, None) if ops is not None and self.markov is not None and cpu_f32 else None
 
     def _round_op(self, states: torch.Tensor, rows: int):
-        """`kernels`' markov_draft for a greedy round without a threshold, as (states [B', K, d],
-        prev [B'], temp, bias) -> (draft ids [B', K], confidences [B', K]): the head product over
-        `rows` rows, the greedy Markov chain (markov_argmax's) and c_k, where it applies (the
-        extension built, the Markov table held, fp32 states on the CPU, the head one of our
-        kernels at that many rows); else None."""
+        """`kernels`' markov_draft for a round without a threshold, greedy or at one plain
+        temperature, as (states [B', K, d], prev [B'], temp, bias, uniforms [B', K] | None,
+        temperature) -> (draft ids [B', K], confidences [B', K], q [B', K, Vd] | [0]): the head
+        product over `rows` rows, the Markov chain (markov_argmax's, or markov_sample's with the
+        loop's uniforms) and c_k, where it applies (the extension built, the Markov table held,
+        fp32 states on the CPU, the head one of our kernels at that many rows); else None."""
         if states.device.type != "cpu" or states.dtype != torch.float32:
             return None
         if rows not in self._round_ops:  # made once per number of rows
@@ -131,8 +133,8 @@ class DSparkDrafter(DFlashDrafter):
         kind, packed, n_out, _ = head
         table, off, w, row = self.markov, self.vocab.off, self.conf_w.float(), self.conf_row.float()
 
-        def run(s, prev, temp, bias):
-            return ops.markov_draft(s, kind, packed, n_out, table, prev, off, w, row, temp, bias)
+        def run(s, prev, temp, bias, u, t):
+            return ops.markov_draft(s, kind, packed, n_out, table, prev, off, w, row, temp, bias, u, t)
 
         return run
 
@@ -147,24 +149,25 @@ class DSparkDrafter(DFlashDrafter):
         params = [batch[b].params for b in idx]
         greedy = all(row.params.greedy for row in batch)  # point masses: q stays None
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
-        prev = torch.tensor([self.t2d[batch[b].token_ids[-1]] for b in idx], device=self.device)  # [B']
-        whole = greedy and self.threshold is None and self._round_op(states, n * K)
-        if whole:  # head, greedy chain and confidences in one call
-            ids, conf = whole(states[:, :K], prev, temp, bias)  # [B', K], [B', K]
-            return self.vocab.to_target(ids), None, num, {"confidences": conf}
-        U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
-        z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
-        chain = greedy and self.threshold is None and self._chain_op(U)
+        prev = torch.tensor([self.t2d[batch[b].token_ids[-1]] for b in idx]).to(self.device)  # [B']
         # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
         # with the uniforms the loop below would draw (per request, position by position).
         p0 = params[0]
-        plain = all(p == p0 for p in params) and plain_temperature(p0, U.shape[-1])
+        plain = greedy or (all(p == p0 for p in params) and plain_temperature(p0, self.vocab.d2t.numel()))
+        whole = plain and self.threshold is None and self._round_op(states, n * K)
+        if whole:  # head, chain (greedy or sampled) and confidences in one call
+            u = None if greedy else self._uniform_rows(batch, idx, num, K)  # [B', K]
+            ids, conf, q = whole(states[:, :K], prev, temp, bias, u, 1.0 if greedy else p0.temperature)
+            return self.vocab.to_target(ids), None if greedy else q, num, {"confidences": conf}
+        U = self._logits(states[:, :K])  # [B', K, Vd] backbone logits
+        z_state = states[:, :K].float() @ self.conf_w  # [B', K] the slots' part of the confidence logits
+        chain = greedy and self.threshold is None and self._chain_op(U)
         sampled = not greedy and self.threshold is None and plain and self._chain_op(U, sampled=True)
         q = None
         if chain:  # the whole greedy pass in one call, the loop's arithmetic
             ids = chain(U, self.markov, prev, self.vocab.off)  # [B', K]
         elif sampled:
-            u = torch.stack([self._uniforms(batch, idx, num, j) for j in range(K)], 1)  # [B', K]
+            u = self._uniform_rows(batch, idx, num, K)  # [B', K]
             ids, q = sampled(U, self.markov, prev, self.vocab.off, u, p0.temperature)  # [B', K], [B', K, Vd]
         compiled = bool(chain or sampled)
         if compiled:

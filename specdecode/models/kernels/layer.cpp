@@ -28,8 +28,9 @@
 // normed per head by k_norms[i] (when given), RoPE on the keys, written to dst[0][i] / dst[1][i]
 // (DFlashDrafter's fuse and _context_kv: the same functions in the same order, the same values).
 // markov_draft(states [n, K, d], head, table [R, Vd], prev [n], off, conf_w [d], conf_row [R],
-//              temp, bias) -> (ids [n, K], conf [n, K]): a greedy DSpark round after its backbone:
-// U = head(states), markov_argmax's chain over U from prev, and the confidence of slot k,
+//              temp, bias, uniforms [n, K] | None, temperature) -> (ids [n, K], conf [n, K], q): a
+// DSpark round after its backbone: U = head(states), markov_argmax's chain over U from prev (q
+// [0]), or with uniforms markov_sample's at the temperature (q [n, K, Vd]), and the confidence of slot k,
 // sigmoid((states[:, k] . conf_w + conf_row[x_{k-1}]) / temp[k] + bias[k]) (its own rounding of
 // the dot product: the drafts are the Python loop's, the confidences equal to rounding).
 // eagle_chain(state [1, d], K, head, ...) -> [K] draft ids: EAGLE-3's greedy chain of one request
@@ -80,6 +81,10 @@ torch::Tensor attention_tokens(const torch::Tensor& q, const torch::Tensor& k, c
 int64_t first_argmax(const float* x, int64_t V, const bool* off);
 torch::Tensor markov_argmax(const torch::Tensor& u, const torch::Tensor& table, const torch::Tensor& prev,
                             const c10::optional<torch::Tensor>& off);
+std::tuple<torch::Tensor, torch::Tensor> markov_sample(const torch::Tensor& u, const torch::Tensor& table,
+                                                       const torch::Tensor& prev,
+                                                       const c10::optional<torch::Tensor>& off,
+                                                       const torch::Tensor& uniforms, double temperature);
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q);
 const bool* off_mask(const c10::optional<torch::Tensor>& off, int64_t V, torch::Tensor& keep);
 
@@ -379,12 +384,11 @@ void context_rows(const torch::Tensor& feats, int64_t fc_kind, const torch::Tens
   }
 }
 
-std::tuple<torch::Tensor, torch::Tensor> markov_draft(const torch::Tensor& states, int64_t head_kind,
-                                                      const torch::Tensor& head_p, int64_t head_n,
-                                                      const torch::Tensor& table, const torch::Tensor& prev,
-                                                      const c10::optional<torch::Tensor>& off,
-                                                      const torch::Tensor& conf_w, const torch::Tensor& conf_row,
-                                                      const torch::Tensor& temp, const torch::Tensor& bias) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_draft(
+    const torch::Tensor& states, int64_t head_kind, const torch::Tensor& head_p, int64_t head_n,
+    const torch::Tensor& table, const torch::Tensor& prev, const c10::optional<torch::Tensor>& off,
+    const torch::Tensor& conf_w, const torch::Tensor& conf_row, const torch::Tensor& temp, const torch::Tensor& bias,
+    const c10::optional<torch::Tensor>& uniforms, double temperature) {
   TORCH_CHECK(states.dim() == 3 && states.scalar_type() == torch::kFloat32, "states must be [n, K, d] float32");
   const int64_t n = states.size(0), K = states.size(1), d = states.size(2);
   TORCH_CHECK(conf_w.scalar_type() == torch::kFloat32 && conf_w.numel() == d, "conf_w must be [d] float32");
@@ -397,7 +401,13 @@ std::tuple<torch::Tensor, torch::Tensor> markov_draft(const torch::Tensor& state
   const c10::optional<torch::Tensor> none;
   const auto sc = states.contiguous();
   const auto u = product(head_kind, sc.view({n * K, d}), head_p, head_n, none).view({n, K, head_n});
-  auto ids = markov_argmax(u, table, prev, off);  // [n, K]
+  torch::Tensor ids, q;  // [n, K]; q [n, K, Vd] when sampled, else [0]
+  if (uniforms.has_value() && uniforms->defined()) {
+    std::tie(ids, q) = markov_sample(u, table, prev, off, *uniforms, temperature);
+  } else {
+    ids = markov_argmax(u, table, prev, off);
+    q = torch::empty({0}, sc.options());
+  }
   auto conf = torch::empty({n, K}, sc.options());
   const float* sp = sc.data_ptr<float>();
   const float* w = conf_w.contiguous().data_ptr<float>();
@@ -415,7 +425,7 @@ std::tuple<torch::Tensor, torch::Tensor> markov_draft(const torch::Tensor& state
       const float a = (z + row[p]) / tp[k] + bp[k];
       cp[i * K + k] = 1.f / (1.f + std::exp(-a));
     }
-  return {ids, conf};
+  return {ids, conf, q};
 }
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
@@ -425,7 +435,8 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "int Hk, int D) -> ()");
   m.def(
       "markov_draft(Tensor states, int head_kind, Tensor head_p, int head_n, Tensor table, Tensor prev, "
-      "Tensor? off, Tensor conf_w, Tensor conf_row, Tensor temp, Tensor bias) -> (Tensor, Tensor)");
+      "Tensor? off, Tensor conf_w, Tensor conf_row, Tensor temp, Tensor bias, Tensor? uniforms=None, "
+      "float temperature=1.0) -> (Tensor, Tensor, Tensor)");
   m.def(
       "eagle_chain(Tensor state, int K, int head_kind, Tensor head_p, int head_n, Tensor norm_w, Tensor? off, "
       "Tensor d2t, Tensor embed, Tensor in_w, Tensor hid_w, int qkv_kind, Tensor qkv_p, int qkv_n, Tensor? qkv_b, "
