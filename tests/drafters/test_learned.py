@@ -399,25 +399,29 @@ def test_dflash_catch_up_in_one_call_writes_the_rows_of_the_python_path(
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_dspark_round_in_one_call_drafts_as_the_slot_loop(kernel_target, trained, temperature):
-    """A DSpark round through `kernels`' markov_draft (head product, Markov chain, greedy or
-    sampled with the loop's uniforms, and the slots' confidences in one call) proposes the drafts
-    of the per-slot Python loop, with its q and confidences up to rounding, and generates the same
-    tokens."""
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_round_in_one_call_drafts_as_the_python_path(kernel_target, trained, method, temperature):
+    """A DFlash round through `kernels`' head_rows (head product, every slot's argmax or draw with
+    the Python path's uniforms) and a DSpark round through markov_draft (head product, Markov
+    chain, greedy or sampled, and the slots' confidences in one call) propose the drafts of the
+    Python path (DSpark's per-slot loop), with its q and confidences up to rounding, and generate
+    the same tokens."""
     prompts = short_prompts(kernel_target.tokenizer)
     params = SamplingParams(temperature=temperature)
     runs = []
     for one_call in (True, False):
-        drafter = _drafter("dspark", trained, kernel_target)
-        temp, bias = drafter.net.sts_temperature, drafter.net.sts_bias  # [Bk]: distinct per slot
-        with torch.no_grad():
-            temp.copy_(torch.linspace(0.6, 1.8, len(temp)))
-            bias.copy_(torch.linspace(-0.5, 0.5, len(bias)))
+        drafter = _drafter(method, trained, kernel_target)
+        if method == "dspark":
+            temp, bias = drafter.net.sts_temperature, drafter.net.sts_bias  # [Bk]: distinct per slot
+            with torch.no_grad():
+                temp.copy_(torch.linspace(0.6, 1.8, len(temp)))
+                bias.copy_(torch.linspace(-0.5, 0.5, len(bias)))
+        op = "_round_op" if method == "dspark" else "_head_op"
         if one_call:
-            assert drafter._round_op(torch.zeros(1, 3, 4), 3) is not None  # it applies here
+            assert getattr(drafter, op)(torch.zeros(1, 3, 4), 3) is not None  # it applies here
         else:
-            drafter._round_op = lambda states, rows: None
-            drafter._chain_op = lambda U, sampled=False: None
+            setattr(drafter, op, lambda states, rows: None)
+            drafter._chain_op = lambda U, sampled=False: None  # DSpark: the per-slot loop
         proposals, inner = [], drafter.propose
 
         def propose(batch, num_draft, inner=inner, proposals=proposals):
@@ -431,7 +435,9 @@ def test_dspark_round_in_one_call_drafts_as_the_slot_loop(kernel_target, trained
     assert tokens_a == tokens_b and len(props_a) == len(props_b) > 2
     for a, b in zip(props_a, props_b, strict=True):
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.num_draft, b.num_draft)
-        torch.testing.assert_close(a.extras["confidences"], b.extras["confidences"], rtol=1e-5, atol=1e-6)
+        if method == "dspark":
+            conf_a, conf_b = a.extras["confidences"], b.extras["confidences"]
+            torch.testing.assert_close(conf_a, conf_b, rtol=1e-5, atol=1e-6)
         assert (a.draft_probs is None) == (b.draft_probs is None) == (temperature == 0)
         if temperature > 0:
             torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)

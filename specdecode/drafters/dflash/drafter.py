@@ -9,7 +9,9 @@ Contract:
   keys/values (one batched projection, no layer pass: context rows are injected, not run; with our
   CPU kernels one product for every layer's keys and values, `_context_kv`, and for one slot the
   whole catch-up in one `kernels`' context_rows call, `_context_rows`). With our kernels, one
-  request's block runs every layer in one decode_layers call (`_block_whole`).
+  request's block runs every layer in one decode_layers call (`_block_whole`), and a round greedy
+  or at one plain temperature takes its head product and every slot's argmax or draw in one
+  head_rows call (`_head_op`: the same drafts; q equal up to the rounding of its exponentials).
 - `propose`: block = [anchor = last committed token, MASK x (B-1)] at positions anchor + k (MASK:
   the learned `mask_emb`, or the target's embedding of `mask_token_id` when the config sets one),
   attending to the context rows (all strictly before the anchor) and to the whole block; the
@@ -65,7 +67,7 @@ from specdecode.drafters.layers import (
 from specdecode.drafters.ngram import lookup_prefix
 from specdecode.models import formats, kernels
 from specdecode.models.kv_cache import KVCache
-from specdecode.sampling import sample
+from specdecode.sampling import plain_temperature, sample
 from specdecode.tree import join_by_score
 from specdecode.verify import Verdict
 
@@ -168,7 +170,8 @@ class DFlashDrafter(Drafter):
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)
         self.cache: KVCache | None = None
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> queued [n, 5d] features
-        self._whole: dict[int, list] = {}  # block rows -> decode_layer's product arguments per layer
+        self._whole: dict[int, tuple | None] = {}  # block rows -> `_layers_args`
+        self._head_ops: dict = {}  # rows -> `_head_op`'s call, or None
 
     # ---- slots ----------------------------------------------------------------------------
     def setup(self, num_slots: int, max_len: int) -> None:
@@ -401,6 +404,13 @@ class DFlashDrafter(Drafter):
         first = self.net.cfg.first_draft_slot
         K = max(num)
         params = [batch[b].params for b in idx]
+        greedy, p0 = all(row.params.greedy for row in batch), params[0]
+        plain = greedy or (all(p == p0 for p in params) and plain_temperature(p0, self.vocab.d2t.numel()))
+        whole = plain and self._head_op(states, len(idx) * K)
+        if whole:  # head product and every slot's argmax or draw in one call
+            u = None if greedy else self._uniform_rows(batch, idx, num, K)  # [B', K]
+            x, q = whole(states[:, first : first + K], u, 1.0 if greedy else p0.temperature)  # [B', K], q
+            return self.vocab.to_target(x), None if greedy else q, num, {}
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
         if all(row.params.greedy for row in batch):  # point masses at the argmax (q None)
             x, q = self.vocab.argmax(small), None  # [B', K]; no uniforms: nothing samples
@@ -409,6 +419,26 @@ class DFlashDrafter(Drafter):
             q = self.vocab.probs(small, params)  # [B', K, Vd]
             x = sample(q, u.to(q.device))
         return self.vocab.to_target(x).cpu(), q, num, {}
+
+    def _head_op(self, states: torch.Tensor, rows: int):
+        """`kernels`' head_rows for a round greedy or at one plain temperature, as (states
+        [B', K, d], uniforms [B', K] | None, temperature) -> (draft ids [B', K], q [B', K, Vd] |
+        [0]), where it applies (the extension built, fp32 states on the CPU, the head one of our
+        kernels at `rows` rows; made once per number of rows); else None."""
+        if states.device.type != "cpu" or states.dtype != torch.float32:
+            return None
+        if rows not in self._head_ops:
+            ops, head = kernels.fused(), None if self.head is None else self.head.product.ours(rows)
+            op = None
+            if ops is not None and hasattr(ops, "head_rows") and head is not None and head[3] is None:
+                kind, packed, n_out, _ = head
+                off = self.vocab.off
+
+                def op(s, u, t):
+                    return ops.head_rows(s, kind, packed, n_out, off, u, t)
+
+            self._head_ops[rows] = op
+        return self._head_ops[rows]
 
     _correction = None  # DSpark: draft ids [n] -> [n, Vd], the Markov head's term of the next slot
 

@@ -27,6 +27,9 @@
 // ctx_norm_w), kv = the product of every layer's keys then values [N, 2 L Hk D], each layer's keys
 // normed per head by k_norms[i] (when given), RoPE on the keys, written to dst[0][i] / dst[1][i]
 // (DFlashDrafter's fuse and _context_kv: the same functions in the same order, the same values).
+// head_rows(states [n, K, d], head, off, uniforms [n, K] | None, temperature) -> (ids [n, K], q): the
+// head product, then each row's first argmax over the ids not `off` (q [0]), or with uniforms its
+// draw at the temperature (sample_row, q [n, K, Vd] the rows' distributions): a DFlash round's drafts.
 // markov_draft(states [n, K, d], head, table [R, Vd], prev [n], off, conf_w [d], conf_row [R],
 //              temp, bias, uniforms [n, K] | None, temperature) -> (ids [n, K], conf [n, K], q): a
 // DSpark round after its backbone: U = head(states), markov_argmax's chain over U from prev (q
@@ -428,7 +431,41 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_draft(
   return {ids, conf, q};
 }
 
+std::tuple<torch::Tensor, torch::Tensor> head_rows(const torch::Tensor& states, int64_t head_kind,
+                                                   const torch::Tensor& head_p, int64_t head_n,
+                                                   const c10::optional<torch::Tensor>& off,
+                                                   const c10::optional<torch::Tensor>& uniforms, double temperature) {
+  TORCH_CHECK(states.dim() == 3 && states.scalar_type() == torch::kFloat32, "states must be [n, K, d] float32");
+  const int64_t n = states.size(0), K = states.size(1), d = states.size(2);
+  const bool sampled = uniforms.has_value() && uniforms->defined();
+  TORCH_CHECK(!sampled || temperature > 0, "temperature must be > 0 (greedy rows: no uniforms)");
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see the note above `decode_layer`
+  const c10::optional<torch::Tensor> none;
+  const auto sc = states.contiguous();
+  const auto u = product(head_kind, sc.view({n * K, d}), head_p, head_n, none).contiguous();  // [n K, Vd]
+  torch::Tensor offc, uc;
+  const bool* offp = off_mask(off, head_n, offc);
+  const float* up = nullptr;
+  if (sampled) {
+    uc = uniforms->contiguous();
+    TORCH_CHECK(uc.scalar_type() == torch::kFloat32 && uc.numel() == n * K, "uniforms must be [n, K] float32");
+    up = uc.data_ptr<float>();
+  }
+  auto ids = torch::empty({n, K}, torch::kInt64);
+  auto q = sampled ? torch::zeros({n, K, head_n}, sc.options()) : torch::empty({0}, sc.options());
+  int64_t* idp = ids.data_ptr<int64_t>();
+  const float* lp = u.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  for (int64_t r = 0; r < n * K; ++r)
+    idp[r] = sampled ? sample_row(lp + r * head_n, head_n, offp, t, up[r], q.data_ptr<float>() + r * head_n)
+                     : first_argmax(lp + r * head_n, head_n, offp);
+  return {ids, q};
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
+  m.def(
+      "head_rows(Tensor states, int head_kind, Tensor head_p, int head_n, Tensor? off, Tensor? uniforms=None, "
+      "float temperature=1.0) -> (Tensor, Tensor)");
   m.def(
       "context_rows(Tensor feats, int fc_kind, Tensor fc_p, int fc_n, Tensor ctx_norm_w, float ctx_eps, "
       "int kv_kind, Tensor kv_p, int kv_n, Tensor[] k_norms, float eps, Tensor cs, Tensor(a!) dst, int L, "
@@ -478,4 +515,5 @@ TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("head_draft", &head_draft);
   m.impl("markov_draft", &markov_draft);
   m.impl("context_rows", &context_rows);
+  m.impl("head_rows", &head_rows);
 }
