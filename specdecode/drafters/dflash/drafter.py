@@ -412,7 +412,7 @@ class DFlashDrafter(Drafter):
             x, q = whole(states[:, first : first + K], u, 1.0 if greedy else p0.temperature)  # [B', K], q
             return self.vocab.to_target(x), None if greedy else q, num, {}
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
-        if all(row.params.greedy for row in batch):  # point masses at the argmax (q None)
+        if greedy:  # point masses at the argmax (q None)
             x, q = self.vocab.argmax(small), None  # [B', K]; no uniforms: nothing samples
         else:
             u = self._uniform_rows(batch, idx, num, K)  # [B', K]

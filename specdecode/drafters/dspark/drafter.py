@@ -124,6 +124,7 @@ class DSparkDrafter(DFlashDrafter):
         return self._round_ops[rows]
 
     def _make_round_op(self, rows: int):
+        """`_round_op`'s call for `rows` rows, or None."""
         ops = kernels.fused()
         if ops is None or not hasattr(ops, "markov_draft") or self.markov is None or self.head is None:
             return None

@@ -21,8 +21,9 @@ Contract:
     (those ops and our products, called directly, in the Python path's order; contract there),
     `decode_layers` (every layer of a forward: decode_layer a layer, looped in C++; a drafter's
     block with its per-head q/k norms too), `context_rows` (a DFlash/DSpark catch-up: fusion,
-    key/value product, key norms, RoPE, cache writes) and `markov_draft` (a greedy DSpark
-    round's head, Markov chain and confidences),
+    key/value product, key norms, RoPE, cache writes), `markov_draft` (a DSpark round's head,
+    Markov chain, greedy or sampled, and confidences) and `head_rows` (a DFlash round's head and
+    every slot's argmax or draw),
     and `eagle_chain`, EAGLE-3's greedy draft chain of one request in one call
     (`eagle_chain_sampled`: drawn at a temperature from given uniforms, with the distributions),
     `mtp_module` (an MTP module's input product and block over its new rows) and `head_draft`
