@@ -413,8 +413,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_draft(
   }
   auto conf = torch::empty({n, K}, sc.options());
   const float* sp = sc.data_ptr<float>();
-  const float* w = conf_w.contiguous().data_ptr<float>();
-  const auto rowc = conf_row.contiguous(), tc = temp.contiguous(), bc = bias.contiguous();
+  const auto wc = conf_w.contiguous(), rowc = conf_row.contiguous(), tc = temp.contiguous(), bc = bias.contiguous();
+  const float* w = wc.data_ptr<float>();
   const float *row = rowc.data_ptr<float>(), *tp = tc.data_ptr<float>(), *bp = bc.data_ptr<float>();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const auto pc = prev.contiguous();
