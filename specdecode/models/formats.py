@@ -334,6 +334,17 @@ def layer_products(
     return (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd)
 
 
+def layers_args(layers) -> tuple[list, list, list]:
+    """`kernels`' decode_layers arguments w, n, qkv_b (weights, kinds and sizes, QKV biases; the
+    op's per-layer order) from each layer's (ln1, `layer_products(...)`)."""
+    ws, ns, bs = [], [], []
+    for ln1, (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd) in layers:
+        ws += [ln1, pq, po, ln2, pg, pd]
+        ns += [kq, nq, ko, no, kg, ng, kd, nd]
+        bs.append(bq)
+    return ws, ns, bs
+
+
 class Linear:
     """One projection in a plan's formats: each distinct kernel holds its own copy of the weight."""
 

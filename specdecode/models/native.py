@@ -53,7 +53,7 @@ from specdecode.models.base import (
     chunked_prefill,
     host_list,
 )
-from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan, layer_products
+from specdecode.models.formats import FormatPlan, Linear, bucket_of, forced_plan, layer_products, layers_args
 from specdecode.models.host_memory import release_freed_memory
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.native_spec import NativeSpec
@@ -427,18 +427,15 @@ class NativeDecoder(nn.Module):
         bucket = bucket_of(T)
         args = self._layer_args.get(bucket)
         if args is None:
-            ws, ns, bs = [], [], []
+            layers = []
             for ln1, qkv, qk_norm, o, ln2, gu, down in self._flat:
                 prods = layer_products(qkv, o, ln2, gu, down, T)
                 if qk_norm is not None or prods is None:
                     args = False  # cached too: the Python layer serves this bucket
                     break
-                kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd = prods
-                ws += [ln1, pq, po, ln2, pg, pd]
-                ns += [kq, nq, ko, no, kg, ng, kd, nd]
-                bs.append(bq)
+                layers.append((ln1, prods))
             else:
-                args = (ws, ns, bs)
+                args = layers_args(layers)
             self._layer_args[bucket] = args
         if args is False:
             return None

@@ -362,17 +362,15 @@ class DFlashDrafter(Drafter):
     def _layers_args(self, Bk: int) -> tuple | None:
         """decode_layers' arguments for a block of Bk rows (weights, kinds and sizes, QKV biases,
         per-head q/k norms), or None where a layer's products are not all our kernels."""
-        ws, ns, bs, norms = [], [], [], []
+        layers, norms = [], []
         for ly in self.net.layers:
             got = whole_layer_args(ly.attn, ly.mlp, ly.post_norm, Bk)
             if got is None:
                 return None
-            (kq, pq, nq, bq, ko, po, no, ln2, kg, pg, ng, kd, pd, nd), qk = got
-            ws += [ly.input_norm.weight, pq, po, ln2, pg, pd]
-            ns += [kq, nq, ko, no, kg, ng, kd, nd]
-            bs.append(bq)
+            prods, qk = got
+            layers.append((ly.input_norm.weight, prods))
             norms += [qk["q_norm"], qk["k_norm"]] if qk else []
-        return ws, ns, bs, norms
+        return (*formats.layers_args(layers), norms)
 
     # ---- propose --------------------------------------------------------------------------
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -404,12 +402,12 @@ class DFlashDrafter(Drafter):
         first = self.net.cfg.first_draft_slot
         K = max(num)
         params = [batch[b].params for b in idx]
-        greedy, p0 = all(row.params.greedy for row in batch), params[0]
-        plain = greedy or (all(p == p0 for p in params) and plain_temperature(p0, self.vocab.d2t.numel()))
+        greedy, plain = self._plain(batch, params)
         whole = plain and self._head_op(states, len(idx) * K)
         if whole:  # head product and every slot's argmax or draw in one call
             u = None if greedy else self._uniform_rows(batch, idx, num, K)  # [B', K]
-            x, q = whole(states[:, first : first + K], u, 1.0 if greedy else p0.temperature)  # [B', K], q
+            t = 1.0 if greedy else params[0].temperature
+            x, q = whole(states[:, first : first + K], u, t)  # [B', K], q [B', K, Vd] | [0]
             return self.vocab.to_target(x), None if greedy else q, num, {}
         small = self._logits(states[:, first : first + K])  # [B', K, Vd]
         if greedy:  # point masses at the argmax (q None)
@@ -420,6 +418,20 @@ class DFlashDrafter(Drafter):
             x = sample(q, u.to(q.device))
         return self.vocab.to_target(x).cpu(), q, num, {}
 
+    def _plain(self, batch: list[DraftRow], params: list) -> tuple[bool, bool]:
+        """(every request of the batch greedy, the drafting requests all greedy or at one plain
+        temperature): whether a round's draws can run as one compiled call."""
+        greedy, p0, Vd = all(row.params.greedy for row in batch), params[0], self.vocab.d2t.numel()
+        return greedy, greedy or (all(p == p0 for p in params) and plain_temperature(p0, Vd))
+
+    def _head_kernel(self, op: str, rows: int):
+        """(`kernels`' op `op`, the head's kind, packed weight, outputs) where the extension has
+        the op and the head of `rows` rows is one of our kernels without a bias; else None."""
+        ops, head = kernels.fused(), None if self.head is None else self.head.product.ours(rows)
+        if ops is None or not hasattr(ops, op) or head is None or head[3] is not None:
+            return None
+        return getattr(ops, op), *head[:3]
+
     def _head_op(self, states: torch.Tensor, rows: int):
         """`kernels`' head_rows for a round greedy or at one plain temperature, as (states
         [B', K, d], uniforms [B', K] | None, temperature) -> (draft ids [B', K], q [B', K, Vd] |
@@ -428,14 +440,12 @@ class DFlashDrafter(Drafter):
         if states.device.type != "cpu" or states.dtype != torch.float32:
             return None
         if rows not in self._head_ops:
-            ops, head = kernels.fused(), None if self.head is None else self.head.product.ours(rows)
-            op = None
-            if ops is not None and hasattr(ops, "head_rows") and head is not None and head[3] is None:
-                kind, packed, n_out, _ = head
-                off = self.vocab.off
+            got, op, off = self._head_kernel("head_rows", rows), None, self.vocab.off
+            if got is not None:
+                call, kind, packed, n_out = got
 
                 def op(s, u, t):
-                    return ops.head_rows(s, kind, packed, n_out, off, u, t)
+                    return call(s, kind, packed, n_out, off, u, t)
 
             self._head_ops[rows] = op
         return self._head_ops[rows]

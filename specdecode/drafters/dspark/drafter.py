@@ -42,7 +42,7 @@ from specdecode.drafters.dflash.model import t2d_table
 from specdecode.drafters.dspark.model import DSpark
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
-from specdecode.sampling import plain_temperature, sample
+from specdecode.sampling import sample
 
 THRESHOLD_ON = ("survival", "confidence")
 # The Markov table trades memory for the per-slot product: (Vd + 1) x Vd values (134 MB in bf16,
@@ -125,17 +125,14 @@ class DSparkDrafter(DFlashDrafter):
 
     def _make_round_op(self, rows: int):
         """`_round_op`'s call for `rows` rows, or None."""
-        ops = kernels.fused()
-        if ops is None or not hasattr(ops, "markov_draft") or self.markov is None or self.head is None:
+        got = self._head_kernel("markov_draft", rows)
+        if got is None or self.markov is None:
             return None
-        head = self.head.product.ours(rows)
-        if head is None or head[3] is not None:
-            return None
-        kind, packed, n_out, _ = head
+        call, kind, packed, n_out = got
         table, off, w, row = self.markov, self.vocab.off, self.conf_w.float(), self.conf_row.float()
 
         def run(s, prev, temp, bias, u, t):
-            return ops.markov_draft(s, kind, packed, n_out, table, prev, off, w, row, temp, bias, u, t)
+            return call(s, kind, packed, n_out, table, prev, off, w, row, temp, bias, u, t)
 
         return run
 
@@ -148,13 +145,13 @@ class DSparkDrafter(DFlashDrafter):
         net, K, n = self.net, max(num), len(idx)
         num = list(num)
         params = [batch[b].params for b in idx]
-        greedy = all(row.params.greedy for row in batch)  # point masses: q stays None
         temp, bias = net.sts_temperature.float(), net.sts_bias.float()  # [Bk]
         prev = torch.tensor([self.t2d[batch[b].token_ids[-1]] for b in idx]).to(self.device)  # [B']
-        # One temperature for the batch and no top-k / top-p: the sampled pass in one call too,
-        # with the uniforms the loop below would draw (per request, position by position).
+        # All greedy (point masses: q stays None), or one temperature for the batch and no top-k /
+        # top-p: the sampled pass in one call too, with the uniforms the loop below would draw (per
+        # request, position by position).
+        greedy, plain = self._plain(batch, params)
         p0 = params[0]
-        plain = greedy or (all(p == p0 for p in params) and plain_temperature(p0, self.vocab.d2t.numel()))
         whole = plain and self.threshold is None and self._round_op(states, n * K)
         if whole:  # head, chain (greedy or sampled) and confidences in one call
             u = None if greedy else self._uniform_rows(batch, idx, num, K)  # [B', K]
