@@ -37,6 +37,7 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -814,37 +815,62 @@ int64_t first_argmax(const float* x, int64_t V, const bool* off) {
 // sampling.process_logits + sampling.sample do it: q = softmax((x - max) / T) over the ids not
 // `off` (written to q, off ids 0), then the first id whose cumulative mass exceeds u * total,
 // total being the cumulative sum's end and the target kept strictly below it (an id of positive
-// mass). The sums run in double and each running total is rounded to fp32, as torch.cumsum does
-// on the CPU, so the ids match torch's path up to the rounding of q's exponentials (exp_shifted's
-// polynomial, 8 lanes at a time: ~2 ulp).
+// mass). The cumulative sum runs in double in id order and each running total is rounded to
+// fp32, as torch.cumsum does on the CPU, and the id is found by binary search over those totals
+// (torch.searchsorted, right=True); so the ids match torch's path up to the rounding of q's
+// exponentials (exp_shifted's polynomial, 8 lanes at a time: ~2 ulp) and of the normalising sum
+// (double, 8 lanes). One sequential pass over V: the max, exponentials, sum and scaling run in
+// lanes.
 int64_t sample_row(const float* x, int64_t V, const bool* off, float T, float u, float* q) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i)
-    if (!(off && off[i]) && x[i] > mx) mx = x[i];
-  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(T), zero = _mm256_setzero_ps();
+  thread_local std::vector<float> totals;  // the running totals (torch.cumsum's output)
+  if (static_cast<int64_t>(totals.size()) < V) totals.resize(V);
+  float* cdf = totals.data();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // lanes of an off mask: 8 bools -> all-ones where off
+  const auto off8 = [&](int64_t v) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(off + v)));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, _mm256_setzero_si256()));
+  };
+  __m256 vmx = _mm256_set1_ps(ninf);
   int64_t v = 0;
-  for (; v + 8 <= V; v += 8)
-    _mm256_storeu_ps(q + v, exp_shifted(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), vm), vt), zero));
-  for (; v < V; ++v) q[v] = std::exp((x[v] - mx) / T);
-  double sum = 0.0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (off && off[i]) q[i] = 0.f;
-    sum += q[i];
+  for (; v + 8 <= V; v += 8) {  // max_ps(x, m) keeps m where x is NaN, as `x > mx` skips it
+    __m256 xv = _mm256_loadu_ps(x + v);
+    if (off) xv = _mm256_blendv_ps(xv, _mm256_set1_ps(ninf), off8(v));
+    vmx = _mm256_max_ps(xv, vmx);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmx);
+  float mx = ninf;
+  for (int i = 0; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; v < V; ++v)
+    if (!(off && off[v]) && x[v] > mx) mx = x[v];
+  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(T), zero = _mm256_setzero_ps();
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (v = 0; v + 8 <= V; v += 8) {
+    __m256 e = exp_shifted(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), vm), vt), zero);
+    if (off) e = _mm256_andnot_ps(off8(v), e);
+    _mm256_storeu_ps(q + v, e);
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
+  double sum = (d[0] + d[1]) + (d[2] + d[3]);
+  for (; v < V; ++v) {
+    q[v] = off && off[v] ? 0.f : std::exp((x[v] - mx) / T);
+    sum += q[v];
   }
   const float inv = static_cast<float>(1.0 / sum);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(q + v, _mm256_mul_ps(_mm256_loadu_ps(q + v), vinv));
+  for (; v < V; ++v) q[v] *= inv;
   double acc = 0.0;
-  for (int64_t i = 0; i < V; ++i) acc += (q[i] *= inv);
-  const float total = static_cast<float>(acc);
+  for (int64_t i = 0; i < V; ++i) cdf[i] = static_cast<float>(acc += q[i]);
+  const float total = cdf[V - 1];
   const float target = std::min(u * total, std::nextafter(total, 0.f));
-  acc = 0.0;
-  int64_t last = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (q[i] <= 0.f) continue;
-    last = i;
-    acc += q[i];
-    if (static_cast<float>(acc) > target) return i;
-  }
-  return last;
+  // the first total above the target: it rose there, so that id has positive mass
+  const int64_t id = std::upper_bound(cdf, cdf + V, target) - cdf;
+  return std::min(id, V - 1);
 }
 
 // The Markov chain of markov_argmax (uni null: x_k the argmax) and markov_sample (x_k drawn with
