@@ -354,6 +354,7 @@ class Linear:
             if k not in made:
                 made[k] = KERNELS[k](weight, bias)
         self._by_bucket = [made[k] for k in plan.kernels]
+        self.kernels = plan.kernels  # the kernel of each row bucket
         self.macs = weight.shape[0] * weight.shape[1]  # multiply-adds per row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]

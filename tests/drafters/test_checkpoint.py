@@ -19,6 +19,7 @@ from specdecode.drafters.checkpoint import (
     save_checkpoint,
     write_checkpoint,
 )
+from specdecode.drafters.layers import cpu_plan
 from specdecode.errors import SpecDecodeError
 from specdecode.interop import export_drafter
 from specdecode.models import formats, kernels
@@ -99,6 +100,9 @@ def test_int8_export_of_a_trained_drafter_stays_exact(tiny, trained, method, int
         drafter = build_drafter(method, tiny, str(out))
     net = drafter.net
     assert ("int8w" in net.formats_plan.kernels) == int8w
+    head = {"dspark": lambda: drafter.head and drafter.head.product, "mtp": lambda: drafter._head}.get(method)
+    if head is not None and cpu_plan(tiny) is not None:  # the target's head rows: in the target's plan
+        assert head().kernels == cpu_plan(tiny).kernels
     for name, lin in net.named_modules():  # every matrix loads as the file's integers times scales
         key = name + ".weight"
         if key + SCALE in stored:

@@ -162,9 +162,12 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         d2t = net.d2t.to(target.model.info.device)
         self.head_w = target.model.lm_head_weight()[d2t].detach().to(self.device, self.dtype)  # [Vd, d]
-        plan = cpu_plan(target)  # the head rows in the drafter's formats (`load_net`'s plan)
+        plan = cpu_plan(target)
         self._plan = getattr(net, "formats_plan", plan) if plan and self.device.type == "cpu" else None
-        self.head = PlannedLinear(self.head_w, None, self._plan) if self._plan else None
+        # The head rows are the target's weights: they run in the target's plan, as the target
+        # runs them, never in an int8-stored drafter's plan (its int8w would re-quantize them: a
+        # different head, whose greedy drafts differed in ~4 % of positions, chosen by a timing)
+        self.head = PlannedLinear(self.head_w, None, plan) if self._plan else None
         self._kv_all = None  # every layer's context key/value product (`_kv_product`), made once
         self._mask = None  # the mask slots' vector (`_mask_vector`), made once
         self.vocab = DraftVocab(net.d2t.to(self.device), self.vocab_size)

@@ -69,8 +69,7 @@ class MTPDrafter(Drafter):
         self.dtype, self.device = p.dtype, p.device
         self.vocab = DraftVocab(model.d2t.to(self.device), self.vocab_size)
         self.net.attach_head(target.model.lm_head_weight())
-        plan = cpu_plan(target)  # the head rows [Vd, d] as one product, in the drafter's formats
-        plan = getattr(self.net, "formats_plan", plan) if plan is not None else None
+        plan = cpu_plan(target)  # the head rows [Vd, d] as one product, in the target's formats
         self._head = None if plan is None else formats.Linear(self.net._head[0], None, plan)
         self.caches: list[KVCache] = []
         self.hist: dict[int, list[Rows]] = {}  # slot -> [h^0, h^1, ..., h^D], each [n_k, d]
