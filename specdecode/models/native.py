@@ -396,9 +396,10 @@ class NativeDecoder(nn.Module):
         H, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         # 1. attention input: norm, fused QKV projection, (qwen3) per-head norm, RoPE in place
         qkv = qkv_proj(ops.rms_norm(x, ln1, s.rms_norm_eps))  # [T, (H+2Hk)D]
-        if qk_norm is not None:
-            qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
-            qk.copy_(F.rms_norm(qk, (D,), None, s.rms_norm_eps) * qk_norm)
+        if qk_norm is not None:  # decode_layer's per-head norms: q's heads, then k's
+            qs, ks = qkv[:, : H * D], qkv[:, H * D : (H + Hk) * D]
+            qs.copy_(ops.rms_norm(qs.reshape(T * H, D), qk_norm[0], s.rms_norm_eps).view(T, H * D))
+            ks.copy_(ops.rms_norm(ks.reshape(T * Hk, D), qk_norm[H], s.rms_norm_eps).view(T, Hk * D))
         ops.rope_(qkv, cs, H + Hk)
         q = qkv[:, : H * D].view(T, H, D)
         k = qkv[:, H * D : (H + Hk) * D].view(T, Hk, D)
@@ -416,8 +417,8 @@ class NativeDecoder(nn.Module):
         """`(x, cs, capture) -> (x, {layer: x})` running every layer in one `decode_layers` call
         (kernels' decode_layer a layer, looped in C++), when this forward is the case it covers
         (one group on contiguous slots of equal lengths, read in place; attention by our kernel;
-        no per-head q/k norm; every product of T rows one of our kernels without an output
-        bias), else None. Same functions in the same order as `_layer_fused`."""
+        every product of T rows one of our kernels without an output bias), else None. Same
+        functions in the same order as `_layer_fused` (Qwen3's per-head q/k norms included)."""
         g = groups[0]
         p = g.plan
         if len(groups) > 1 or p.dst is None or p.src is None or p.window is not None:
@@ -427,20 +428,22 @@ class NativeDecoder(nn.Module):
         bucket = bucket_of(T)
         args = self._layer_args.get(bucket)
         if args is None:
-            layers = []
+            layers, norms = [], []
             for ln1, qkv, qk_norm, o, ln2, gu, down in self._flat:
                 prods = layer_products(qkv, o, ln2, gu, down, T)
-                if qk_norm is not None or prods is None:
+                if prods is None:
                     args = False  # cached too: the Python layer serves this bucket
                     break
                 layers.append((ln1, prods))
+                if qk_norm is not None:  # [H + Hk, D]: q's weight in every q row, k's in every k row
+                    norms += [qk_norm[0], qk_norm[self.spec.num_heads]]
             else:
-                args = layers_args(layers)
+                args = (*layers_args(layers), norms)
             self._layer_args[bucket] = args
         if args is False:
             return None
         s, call = self.spec, self._fused.decode_layers
-        ws, ns, bs = args
+        ws, ns, bs, norms = args
 
         def layers(x: torch.Tensor, cs: torch.Tensor, capture: list[int]) -> tuple[torch.Tensor, dict]:
             out = call(
@@ -457,7 +460,7 @@ class NativeDecoder(nn.Module):
                 s.num_kv_heads,
                 s.head_dim,
                 capture,
-                [],
+                norms,
             )
             return out[0], dict(zip(capture, out[1:], strict=True))
 

@@ -404,7 +404,7 @@ def test_masters_round_to_bf16_when_the_plan_stays_and_reads_bf16(tiny_llama_dir
     assert int8.layers[0].w_qkv.dtype == torch.float32  # int8 quantizes the fp32 values
 
 
-@pytest.mark.parametrize("kind", ["tiny_llama_dir", "tiny_qwen2_dir"])  # qwen2: QKV bias
+@pytest.mark.parametrize("kind", KINDS)  # qwen2: QKV bias; qwen3: per-head q/k norms
 @pytest.mark.parametrize("kv", ["auto", "bf16"])
 @pytest.mark.parametrize("product", ["bf16w", "int8w"])  # our AVX2 products: decode_layer's kinds 0, 3
 def test_whole_layer_call_equals_the_python_layer(kind, kv, product, request, monkeypatch):
