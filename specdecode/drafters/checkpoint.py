@@ -26,7 +26,8 @@ Contract:
   int8_drafter_plan`; its matrices load as fp32 q * scale, which re-quantize to the stored
   integers; a bf16 drafter's rounded ones may move a few by one): what every learned drafter's
   loader starts with. The plan is kept as `net.formats_plan`; `in_target_formats()` (a context)
-  loads them in the target's plan instead.
+  loads them in the target's plan instead. Products of the target's own weights that a drafter
+  reads (the DSpark/DFlash and MTP heads' rows) follow the target's plan, never this one.
 - `shipped_drafter(method, target)` -> the directory of the drafter shipped with the package for
   that target and method, or None; `checkpoint_path(kind, target, spec)` -> `spec` or that
   shipped directory, refusing with what to do when there is neither.
