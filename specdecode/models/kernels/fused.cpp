@@ -915,7 +915,7 @@ std::tuple<torch::Tensor, torch::Tensor> markov_impl(const char* op, const torch
     TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: markov_argmax)");
     wc = uniforms->contiguous();
     uni = wc.data_ptr<float>();
-    q = torch::zeros({n, K, V}, uc.options());
+    q = torch::empty({n, K, V}, uc.options());  // every row written by sample_row
     qp = q.data_ptr<float>();
   }
   auto ids = torch::empty({n, K}, pc.options());

@@ -309,7 +309,7 @@ std::tuple<torch::Tensor, torch::Tensor> eagle_chain_sampled(
   TORCH_CHECK(uniforms.scalar_type() == torch::kFloat32 && uniforms.numel() == K, "uniforms must be [K] float32");
   TORCH_CHECK(temperature > 0, "temperature must be > 0 (greedy chains: eagle_chain)");
   const auto uc = uniforms.contiguous();
-  auto q = torch::zeros({K, head_n}, torch::kFloat32);
+  auto q = torch::empty({K, head_n}, torch::kFloat32);  // every row written by sample_row
   auto ids = chain_impl(state, K, head_kind, head_p, head_n, norm_w, off, d2t, embed, in_w, hid_w, qkv_kind, qkv_p,
                         qkv_n, qkv_b, o_kind, o_p, o_n, ln2, gu_kind, gu_p, gu_n, down_kind, down_p, down_n, cs, k,
                         v, base, eps, H, Hk, D, q_norm, k_norm, uc.data_ptr<float>(),
@@ -353,7 +353,7 @@ std::tuple<torch::Tensor, torch::Tensor> head_draft(const torch::Tensor& state, 
   torch::Tensor offc;
   const bool* offp = off_mask(off, head_n, offc);
   auto ids = torch::empty({1}, torch::kInt64);
-  auto q = torch::zeros({temperature > 0 ? 1 : 0, head_n}, torch::kFloat32);
+  auto q = torch::empty({temperature > 0 ? 1 : 0, head_n}, torch::kFloat32);  // written by sample_row
   const float u = static_cast<float>(uniform);
   ids.data_ptr<int64_t>()[0] = draft_of(state.contiguous(), norm_w, eps, head_kind, head_p, head_n, offp,
                                         temperature > 0 ? &u : nullptr, static_cast<float>(temperature),
@@ -452,7 +452,7 @@ std::tuple<torch::Tensor, torch::Tensor> head_rows(const torch::Tensor& states, 
     up = uc.data_ptr<float>();
   }
   auto ids = torch::empty({n, K}, torch::kInt64);
-  auto q = sampled ? torch::zeros({n, K, head_n}, sc.options()) : torch::empty({0}, sc.options());
+  auto q = torch::empty(sampled ? std::vector<int64_t>{n, K, head_n} : std::vector<int64_t>{0}, sc.options());  // rows: sample_row
   int64_t* idp = ids.data_ptr<int64_t>();
   const float* lp = u.data_ptr<float>();
   const float t = static_cast<float>(temperature);
