@@ -471,6 +471,27 @@ def test_markov_sample_is_the_sampled_markov_loop(ops, dtype):
                 assert not off[ids].any() and q[..., off].sum() == 0
 
 
+def test_markov_sample_takes_its_max_over_the_ids_it_may_draw(ops):
+    """Off ids are out of the max as well as the draw: a huge logit on an off id, in the 8-lane
+    part of the row and in its tail, leaves q and the id those of the masked logits (a max that
+    saw them would underflow every allowed exponential to zero)."""
+    from specdecode.config import SamplingParams
+    from specdecode.sampling import process_logits, sample
+
+    g = torch.Generator().manual_seed(6)
+    V = 53  # 6 vectors of 8 lanes and a tail of 5
+    u = torch.randn(2, 1, V, generator=g)  # [2, 1, V]
+    off = torch.zeros(V, dtype=torch.bool)
+    off[[3, 50]] = True
+    u[0, 0, 3] = u[1, 0, 50] = 1e4
+    uni = torch.tensor([[0.3], [0.8]])
+    ids, q = ops.markov_sample(u, torch.zeros(1, V), torch.zeros(2, dtype=torch.long), off, uni, 1.0)
+    want_q = process_logits(u[:, 0].masked_fill(off, float("-inf")), SamplingParams(1.0))
+    assert torch.equal(ids[:, 0], sample(want_q, uni[:, 0]))
+    torch.testing.assert_close(q[:, 0], want_q, atol=1e-6, rtol=1e-5)
+    assert q[..., off].sum() == 0
+
+
 def test_markov_sample_draws_torchs_ids_over_a_real_vocabulary(ops):
     """Over a 32k vocabulary the running sums decide ids near interval ends: summed in double and
     rounded as torch.cumsum does, the kernel draws torch's ids (128 draws; fp32 sums differed in
