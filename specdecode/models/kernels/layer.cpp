@@ -452,7 +452,8 @@ std::tuple<torch::Tensor, torch::Tensor> head_rows(const torch::Tensor& states, 
     up = uc.data_ptr<float>();
   }
   auto ids = torch::empty({n, K}, torch::kInt64);
-  auto q = torch::empty(sampled ? std::vector<int64_t>{n, K, head_n} : std::vector<int64_t>{0}, sc.options());  // rows: sample_row
+  // sampled: every row written by sample_row, so not zeroed first
+  auto q = sampled ? torch::empty({n, K, head_n}, sc.options()) : torch::empty({0}, sc.options());
   int64_t* idp = ids.data_ptr<int64_t>();
   const float* lp = u.data_ptr<float>();
   const float t = static_cast<float>(temperature);
