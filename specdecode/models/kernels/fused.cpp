@@ -638,7 +638,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         for (int64_t j = 0; j < jend; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
         const float mx = hmax(vmax);
         if (mx == ninf) continue;  // a row that sees nothing: zeros (padding rows only)
-        if (g_avx512) {
+        if (g_avx512 && D % 64 == 0) {  // the AVX-512 value pass takes inv (weighted_sum_all)
           inv[r] = 1.f / exp_sum512(sr, jend, mx);
           sees[r] = true;
           continue;
