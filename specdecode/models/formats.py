@@ -252,7 +252,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     "bf16w": _ours("bf16w", "bf16w_pack", "bf16w_linear"),  # packed [ceil(out/16), in, 16]
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
-    "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # the AMX layout
+    "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # packed [ceil(out/16), ceil(in/2), 16, 2]
     "int8w": _ours("int8w", "int8w_pack", "int8w_linear", int8_quantize),  # packed [ceil(out/16), in + 4, 16]
     "int8": _int8(torch.float32),
     "int8-bf16": _int8(torch.bfloat16),

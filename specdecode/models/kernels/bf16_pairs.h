@@ -1,5 +1,5 @@
 // Shared by the kernels that multiply bf16 pairs (amx.cpp, bf16dp.cpp): rounding fp32 activations
-// to bf16 (nearest even), and the pair-interleaved weight layout both read,
+// to bf16 (nearest even); and the AMX kernel's pair-interleaved weight layout,
 // P[group][kb][2][16 input pairs][16 outputs][2]: groups of 32 outputs (zero-padded), blocks of
 // 32 inputs (zero-padded), one 64-byte row per (input pair, 16 outputs).
 #pragma once
@@ -71,7 +71,7 @@ inline const uint16_t* round_rows(const float* x, int64_t M, int64_t K, int64_t 
   return xa.data();
 }
 
-// What amx_linear and bf16dp_linear set up alike for x [M, K] fp32 against P (pack_pairs' layout
+// What amx_linear sets up for x [M, K] fp32 against P (pack_pairs' layout
 // for N outputs): x rounded to bf16 rows [M, Kp] (call it only once the CPU is known to run
 // AVX512-BF16), y [M, N] to fill, the weights and the bias. `pack` names the packing op in the
 // error for a P of another shape.

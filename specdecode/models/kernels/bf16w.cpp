@@ -26,11 +26,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "products.h"
 
@@ -39,24 +37,6 @@ namespace {
 constexpr int64_t PB = 16;  // output rows per packed block
 constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-2):
                               // 6 x 16 x K bf16, 288 KiB at K = 1536, stay in a core's L2
-
-// A run of sweeps [front, back) shared by its owner, which takes from the front, and the other
-// threads, which take from the back once their own runs are done: both ends in one atomic word.
-struct alignas(64) SweepRun {  // a cache line each: the owners' updates must not collide
-  std::atomic<uint64_t> fb{0};  // front in the low 32 bits, back in the high 32
-  void reset(int64_t front, int64_t back) { fb.store(static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(front)); }
-  int64_t take(bool front) {  // the sweep taken, or -1 when the run is empty
-    uint64_t cur = fb.load(std::memory_order_relaxed);
-    for (;;) {
-      const uint64_t f = cur & 0xffffffffu, b = cur >> 32;
-      if (f >= b) return -1;
-      const uint64_t next = front ? (b << 32 | (f + 1)) : ((b - 1) << 32 | f);
-      if (fb.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return static_cast<int64_t>(front ? f : b - 1);
-    }
-  }
-  int64_t take_front() { return take(true); }
-  int64_t take_back() { return take(false); }
-};
 
 // A weight format: its element type T, the steps of k a packed block spans (`steps`), the
 // prefetch distance PF in steps of k (bf16: 3 KiB; 32 left 4-row passes waiting; int8: the same
@@ -184,32 +164,7 @@ void narrow_linear(const float* xp, int64_t M, int64_t K, const typename W::T* p
       default: break;
     }
   };
-  // One row is bound by memory, which both cores share: each thread takes an equal run of blocks
-  // (a sweep of its own over them in turn). With 2+ rows each thread owns an equal run of sweeps
-  // and takes them from its front, streaming its own contiguous memory as the fixed split does,
-  // and a thread done with its own takes the last sweeps left in another's run: the two cores of
-  // a shared machine often run at different speeds for seconds at a time (on a 2-core Zen 3 one
-  // thread's share of an 8-row product took 1.35x the other's), and with a fixed split the faster
-  // one would wait. (For one row the shared runs cost ~1 % of a forward: the fixed split stays.)
-  // Every block's outputs are computed the same way whichever thread takes it.
-  if (M == 1) {
-    at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
-      for (int64_t c0 = b0; c0 < b1; c0 += SWEEP) sweep(c0, std::min(b1, c0 + SWEEP));
-    });
-    return;
-  }
-  const int64_t chunks = (nb + SWEEP - 1) / SWEEP;
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
-  std::vector<SweepRun> runs(nt);
-  for (int64_t t = 0; t < nt; ++t) runs[t].reset(chunks * t / nt, chunks * (t + 1) / nt);
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t c;
-      while ((c = runs[t].take_front()) >= 0) sweep(c * SWEEP, std::min(nb, (c + 1) * SWEEP));
-      for (int64_t o = 1; o < nt; ++o)
-        while ((c = runs[(t + o) % nt].take_back()) >= 0) sweep(c * SWEEP, std::min(nb, (c + 1) * SWEEP));
-    }
-  });
+  specdecode_kernels::split_sweeps(nb, SWEEP, M == 1, sweep);  // contract there
 }
 
 // The op around narrow_linear: x [M, K] fp32 (any strides, checked by the caller) against a
