@@ -14,10 +14,10 @@
 // (accumulators rows x NB, at most 24 of the 32 registers). Streams, not one stream per pass,
 // and a prefetch into L2 16 KiB ahead of each are what reach the memory's bandwidth while the
 // dot products run: on a 2-core Zen 4 the AMX layout read as one stream (32 outputs interleaved
-// per block of inputs) ran one row at 19-24 GB/s and 8 rows at 16-21; four streams with this
-// prefetch run one row at 27-29 GB/s and 8 rows at 25-31, 0.57-0.59x the time of the bf16w
-// kernel's 6 + 2 row passes (same process, interleaved; without the prefetch 8 rows ran at
-// 17-24 GB/s). Threads split the blocks as bf16w does (`split_sweeps`); more than 8 rows run in
+// per block of inputs) ran one row at 19-24 GB/s and 8 rows at 16-21, and without the prefetch
+// 8 rows ran at 17-24 (a harness over 8 layers' products); one forward's products now run at
+// 26-28 GB/s for 1-4 rows and 25-26 for 7-8, 0.69-0.84x bf16w's time there
+// (benchmarks/results/products-smollm2-135m-epyc-zen4). Threads split the blocks as bf16w does (`split_sweeps`); more than 8 rows run in
 // passes of 8 over a sweep of blocks still in L2.
 // Every row takes the same instructions whatever M is and whichever pass it falls in, so a
 // row's result does not depend on the rows beside it.
