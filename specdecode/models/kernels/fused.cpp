@@ -333,6 +333,11 @@ __attribute__((target("avx512f"))) float exp_sum512(float* sr, int64_t n, float 
 // AVX-512 (d a multiple of 64), else 3 at a time on 8 lanes; the same result either way.
 bool g_avx512 = false;  // set by `attention_avx512` (models.kernels decides by timing both)
 
+// Whether the value pass over head size D runs on AVX-512 (weighted_sum_rows512, which takes the
+// softmax weights unscaled with their 1/sum, `inv`) rather than on 8 lanes (weighted_sum_rows,
+// which takes them scaled): the softmax asks this too, so both always agree.
+inline bool wide_values(int64_t D) { return g_avx512 && D % 64 == 0; }
+
 // Scores of gn query rows (q rows D apart) against 8 keys, D a multiple of 8: score8_rows (gn <= 3)
 // or, `wide`, its AVX-512 twin (gn <= 6); the same scores bit for bit either way.
 template <typename T>
@@ -357,7 +362,7 @@ void score_rows(int gn, bool wide, const float* q, const T* const* keys, int64_t
 template <typename T>
 void weighted_sum_all(const float* s, int64_t Lp, int64_t rn, int64_t n, const float* inv, const T* vv,
                       int64_t vl, int64_t D, float* o) {
-  if (g_avx512 && D % 64 == 0) {
+  if (wide_values(D)) {
     for (int64_t r = 0; r < rn; r += 6) {
       const float* sr = s + r * Lp;
       switch (std::min<int64_t>(6, rn - r)) {
@@ -638,7 +643,7 @@ void attention_kernel(const float* qp, const T* kp, const T* vp, float* op, cons
         for (int64_t j = 0; j < jend; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
         const float mx = hmax(vmax);
         if (mx == ninf) continue;  // a row that sees nothing: zeros (padding rows only)
-        if (g_avx512 && D % 64 == 0) {  // the AVX-512 value pass takes inv (weighted_sum_all)
+        if (wide_values(D)) {  // unscaled, with inv: the AVX-512 value pass
           inv[r] = 1.f / exp_sum512(sr, jend, mx);
           sees[r] = true;
           continue;
