@@ -134,12 +134,13 @@ def pairs(request, ops):
     return pack, linear, name
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 15, 16, 17, 20, 33, 40, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 9, 15, 16, 17, 20, 33, 40, 64])
 @pytest.mark.parametrize("n,k", [(96, 128), (7, 13), (33, 40), (130, 576)])
 def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, m, n, k):
     # x rounded to bf16, exact products; rows alone as in any block of rows (bf16amx: from m = 17
     # on, a 16-row chunk and the next (up to 16 rows) run as a pair, row m - 1 in the second one,
-    # row m // 2 there from m = 32 on; bf16dp: chunks of 8 rows)
+    # row m // 2 there from m = 32 on; bf16dp: passes of up to 8 rows, 4 blocks at a time for up to 6
+    # rows, 3 for 7-8)
     pack, linear, name = pairs
     x, packed = _check_product(
         pack, linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m // 2, m - 1)

@@ -17,10 +17,10 @@
 // per block of inputs) ran one row at 19-24 GB/s and 8 rows at 16-21, and without the prefetch
 // 8 rows ran at 17-24 (a harness over 8 layers' products); one forward's products now run at
 // 26-28 GB/s for 1-4 rows and 25-26 for 7-8, 0.69-0.84x bf16w's time there
-// (benchmarks/results/products-smollm2-135m-epyc-zen4). Threads split the blocks as bf16w does (`split_sweeps`); more than 8 rows run in
-// passes of 8 over a sweep of blocks still in L2.
-// Every row takes the same instructions whatever M is and whichever pass it falls in, so a
-// row's result does not depend on the rows beside it.
+// (benchmarks/results/products-smollm2-135m-epyc-zen4). Threads split the blocks as bf16w does
+// (`split_sweeps`); more than 8 rows run in passes of 8 over a sweep of blocks still in L2. Every
+// row takes the same instructions whatever M is and whichever pass it falls in, so a row's result
+// does not depend on the rows beside it.
 //
 // Compiled for its own target; `bf16dp_pack` raises on a CPU without AVX512-BF16 (a safety
 // check only: whether the kernel is used is decided by timing it).
