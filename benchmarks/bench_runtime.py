@@ -39,7 +39,7 @@ CONTEXT = 256
 BLOCKS = (1, 2, 4, 8, 16)
 MATMUL_OPS = ("mm", "addmm", "linear", "mkl_linear", "_linear_pointwise", "_weight_int8pack_mm",
               "_weight_int4pack_mm_for_cpu", "matmul", "bmm", "bf16w_linear", "bf16amx_linear",
-              "bf16dp_linear")  # fmt: skip
+              "bf16dp_linear", "bf16dp1_linear", "int8w_linear")  # fmt: skip
 ATTENTION_OPS = ("scaled_dot_product", "_scaled_dot_product", "flash_attention", "attention")
 PY_LAYERS = "auto, Python layers"  # the auto model with decode_layers switched off
 

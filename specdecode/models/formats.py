@@ -19,6 +19,8 @@ Contract:
     AVX-512 (`kernels.barred`: how the AVX2 kind is emulated);
   - `bf16-dp`: the same arithmetic on AVX512-BF16 dot-product instructions
     (`models/kernels/bf16dp.cpp`), for CPUs that have those but no AMX; absent elsewhere;
+    `bf16-dp1` the same packing and bits, up to 8 rows read as one memory stream instead of 3-4
+    (which reads faster depends on the CPU, see bf16dp.cpp: timing picks);
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
     asymmetric), PyTorch's own CPU kernels, and `int8w`, the same int8 weights in our AVX2
     kernel beside `bf16w` (widened to fp32 in registers, fp32 accumulation; decode_layer's
@@ -76,8 +78,10 @@ from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
 LARGE = 256  # buckets past this one are timed on the layers only, with the kernels still in the race
-OURS = ("bf16w", "bf16-amx", "bf16-dp", "int8w")  # our compiled products, in decode_layer's kind order
-AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", "bf16w", "bf16-amx", "bf16-dp")
+# our compiled products, in decode_layer's kind order
+OURS = ("bf16w", "bf16-amx", "bf16-dp", "int8w", "bf16-dp1")
+_OURS_AUTO = ("bf16w", "bf16-amx", "bf16-dp", "bf16-dp1")  # ours that `auto` races (int8w changes the model)
+AUTO_CANDIDATES = ("fp32", "bf16", "fp32-mkl", "fp32-onednn", "bf16-onednn", *_OURS_AUTO)
 FORCED = ("fp32", "bf16", "int8", "int4")
 # `--dtype int8|int4`: the same quantized weights with activations in fp32 or in bf16
 QUANTIZED_CANDIDATES = {"int8": ("int8", "int8-bf16", "int8w"), "int4": ("int4", "int4-bf16")}
@@ -85,7 +89,8 @@ DECODE_ROWS = 16  # `quantized_plan` picks its kernel on products of up to this 
 DRAFT_ROWS = 64  # `int8_drafter_plan` times the drafter's products of up to this many rows
 INT4_GROUP = 32
 _BF16 = {"bf16", "bf16-onednn", "bf16-up"}
-_BF16_WEIGHTS = _BF16 | {"bf16w", "bf16-amx", "bf16-dp"}  # kernels that read the weights rounded to bf16
+# kernels that read the weights rounded to bf16
+_BF16_WEIGHTS = _BF16 | {"bf16w", "bf16-amx", "bf16-dp", "bf16-dp1"}
 _MULTIPLY_BY_MASTER = {"fp32", "fp32-mkl"}  # kernels whose product uses the fp32 weight itself
 _MEASURE_LAYERS = 4  # layers of random weights per measurement (well past the L2/L3 caches)
 PLAN_SLACK = 1.10  # a kernel already in the plan serves a bucket if within 10 % of the fastest
@@ -253,6 +258,8 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
     "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # packed [ceil(out/16), ceil(in/2), 16, 2]
+    # the same packing, up to 8 rows read as one stream (which of the two is faster depends on the CPU)
+    "bf16-dp1": _ours("bf16-dp1", "bf16dp_pack", "bf16dp1_linear"),
     "int8w": _ours("int8w", "int8w_pack", "int8w_linear", int8_quantize),  # packed [ceil(out/16), in + 4, 16]
     "int8": _int8(torch.float32),
     "int8-bf16": _int8(torch.bfloat16),

@@ -24,8 +24,8 @@ from specdecode.policy import FixedK
 
 # Relative error of each kernel against an fp32 product (weights ~N(0, 1), 128 inputs).
 TOLERANCE = {"fp32": 1e-5, "fp32-mkl": 1e-5, "fp32-onednn": 1e-5, "bf16": 2e-2, "bf16-up": 2e-2,
-             "bf16-onednn": 2e-2, "bf16w": 2e-2, "bf16-amx": 2e-2, "bf16-dp": 2e-2, "int8": 2e-2,
-             "int8-bf16": 3e-2, "int8w": 2e-2, "int4": 0.2, "int4-bf16": 0.2}  # fmt: skip
+             "bf16-onednn": 2e-2, "bf16w": 2e-2, "bf16-amx": 2e-2, "bf16-dp": 2e-2, "bf16-dp1": 2e-2,
+             "int8": 2e-2, "int8-bf16": 3e-2, "int8w": 2e-2, "int4": 0.2, "int4-bf16": 0.2}  # fmt: skip
 
 
 def _available(name, w, b):
@@ -81,7 +81,7 @@ def test_plan_dispatches_by_rows_and_names_itself():
         FormatPlan(("fp32",))
 
 
-@pytest.mark.parametrize("name", ["bf16-amx", "bf16-dp"])
+@pytest.mark.parametrize("name", ["bf16-amx", "bf16-dp", "bf16-dp1"])
 def test_a_capped_cpu_capability_bars_our_avx512_products(name, monkeypatch):
     """ATEN_CPU_CAPABILITY=avx2 (the AVX2 kind emulated) caps our kernels like PyTorch's: the AMX
     and AVX512-BF16 products are refused, so `auto` cannot pick them; the AVX2 ones stay."""

@@ -122,16 +122,23 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
         ops.int8w_linear(x, ops.bf16w_pack(w), 12, None)
 
 
-@pytest.fixture(scope="module", params=["bf16amx", "bf16dp"])
+PAIR_PACKS = {
+    "bf16amx": "bf16amx_pack",
+    "bf16dp": "bf16dp_pack",
+    "bf16dp1": "bf16dp_pack",
+}  # linear -> its pack
+
+
+@pytest.fixture(scope="module", params=list(PAIR_PACKS))
 def pairs(request, ops):
-    """(pack, linear, name) of a kernel that multiplies bf16 pairs, where this CPU runs it."""
+    """(pack, linear, pack's name) of a kernel that multiplies bf16 pairs, where this CPU runs it."""
     name = request.param
-    pack, linear = getattr(ops, f"{name}_pack"), getattr(ops, f"{name}_linear")
+    pack, linear = getattr(ops, PAIR_PACKS[name]), getattr(ops, f"{name}_linear")
     try:
         pack(torch.zeros(16, 32, dtype=torch.bfloat16))
     except RuntimeError as e:  # no AMX / AVX512-BF16 on this CPU, or the OS refused the tiles
         pytest.skip(f"{name} is not available here: {str(e)[:80]}")
-    return pack, linear, name
+    return pack, linear, PAIR_PACKS[name]
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 9, 15, 16, 17, 20, 33, 40, 64])
@@ -140,14 +147,32 @@ def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, 
     # x rounded to bf16, exact products; rows alone as in any block of rows (bf16amx: from m = 17
     # on, a 16-row chunk and the next (up to 16 rows) run as a pair, row m - 1 in the second one,
     # row m // 2 there from m = 32 on; bf16dp: passes of up to 8 rows, 4 blocks at a time for up to 6
-    # rows, 3 for 7-8)
-    pack, linear, name = pairs
+    # rows, 3 for 7-8; bf16dp1: up to 8 rows a block at a time)
+    pack, linear, pack_name = pairs
     x, packed = _check_product(
         pack, linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m // 2, m - 1)
     )
     if k > 64:  # x from another shape is refused (K is known to within one tile of 32)
-        with pytest.raises(RuntimeError, match=f"{name}_pack"):
+        with pytest.raises(RuntimeError, match=pack_name):
             linear(x[:, : k // 2], packed, n, None)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 16, 20])
+def test_bf16dp_in_one_stream_gives_the_same_bits(ops, m):
+    # bf16dp1 reads the same packing a block at a time: the same sums in the same order, so the
+    # same bits as bf16dp (which reads 3-4 blocks at once) at every row count
+    try:
+        packed = ops.bf16dp_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError as e:
+        pytest.skip(f"bf16dp is not available here: {str(e)[:80]}")
+    gen = torch.Generator().manual_seed(m)
+    w, x, b = (
+        torch.randn(200, 576, generator=gen),
+        torch.randn(m, 576, generator=gen),
+        torch.randn(200, generator=gen),
+    )
+    packed = ops.bf16dp_pack(w.to(torch.bfloat16))
+    assert torch.equal(ops.bf16dp1_linear(x, packed, 200, b), ops.bf16dp_linear(x, packed, 200, b))
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

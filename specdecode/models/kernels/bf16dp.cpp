@@ -22,6 +22,14 @@
 // row takes the same instructions whatever M is and whichever pass it falls in, so a row's result
 // does not depend on the rows beside it.
 //
+// `bf16dp1_linear` is the same product on the same packing with one stream, a block at a time,
+// for up to 8 rows (past 8 both run the same passes): the same sums in the same order, so the
+// same bits. Which reads faster depends on the CPU, and `models.formats` times both: on a 2-core
+// Zen 5 one stream took 0.84-0.90x the time of 3-4 for one forward's products at 1-8 rows (43-59
+// GB/s against 37-52, same-process alternation), the prefetch distance mattering little (64-384
+// pairs within 3 %), whereas on the Zen 4 above one stream of the AMX layout (the same way of
+// reading) ran one row at 19-24 GB/s against 26-28 for 3-4 streams.
+//
 // Compiled for its own target; `bf16dp_pack` raises on a CPU without AVX512-BF16 (a safety
 // check only: whether the kernel is used is decided by timing it).
 
@@ -104,9 +112,22 @@ void prange(const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias,
   }
 }
 
-// Rows [0, R) (R <= 8) against blocks [b0, b1): one pass, 4 streams up to 6 rows, 3 beyond.
-void rows_pass(int R, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y,
+// Rows [0, R) (R <= 8) against blocks [b0, b1): one pass, 4 streams up to 6 rows, 3 beyond; or
+// (`one`) a single stream, a block at a time.
+void rows_pass(int R, bool one, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y,
                int64_t N, int64_t b0, int64_t b1) {
+  if (one) {
+    switch (R) {
+      case 1: return prange<1, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 2: return prange<2, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 3: return prange<3, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 4: return prange<4, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 5: return prange<5, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 6: return prange<6, 1>(x2, K2, P, bias, y, N, b0, b1);
+      case 7: return prange<7, 1>(x2, K2, P, bias, y, N, b0, b1);
+      default: return prange<8, 1>(x2, K2, P, bias, y, N, b0, b1);
+    }
+  }
   switch (R) {
     case 1: prange<1, 4>(x2, K2, P, bias, y, N, b0, b1); break;
     case 2: prange<2, 4>(x2, K2, P, bias, y, N, b0, b1); break;
@@ -135,8 +156,9 @@ torch::Tensor dp_pack(const torch::Tensor& w) {
   return P;
 }
 
-torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
-                        const c10::optional<torch::Tensor>& bias) {
+// y = x @ w.T (+ bias); `one`: up to 8 rows in a single stream (bf16dp1_linear), else in 3-4.
+static torch::Tensor dp_product(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                                const c10::optional<torch::Tensor>& bias, bool one) {
   TORCH_CHECK(cpu_has_avx512bf16(), "this CPU has no AVX512-BF16 instructions");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
   TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kBFloat16 && P.is_contiguous() && P.size(2) == PB &&
@@ -156,20 +178,33 @@ torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t 
   // tile at a time: a finer last share for the thread that finishes first to take than SWEEP
   // blocks, of which a 576-output product has 3 (one forward's products 0.96-0.98x the time at
   // 2-8 rows, the same at 1 and 16: a 2-core Zen 5, same-process alternation)
-  const int64_t per = M > 8 ? SWEEP : M > 6 ? 3 : 4;
+  const int64_t per = M > 8 ? SWEEP : one ? 4 : M > 6 ? 3 : 4;
+  const bool single = one && M <= 8;  // past 8 rows both run the same passes
   specdecode_kernels::split_sweeps(nb, per, M == 1, [&](int64_t c0, int64_t c1) {
     for (int64_t m = 0; m < M; m += 8)
-      rows_pass(static_cast<int>(std::min<int64_t>(8, M - m)), x2 + m * K2, K2, pp, bp, yp + m * N, N, c0, c1);
+      rows_pass(static_cast<int>(std::min<int64_t>(8, M - m)), single, x2 + m * K2, K2, pp, bp, yp + m * N, N, c0, c1);
   });
   return y;
+}
+
+torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                        const c10::optional<torch::Tensor>& bias) {
+  return dp_product(x, P, N, bias, false);
+}
+
+torch::Tensor dp1_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                         const c10::optional<torch::Tensor>& bias) {
+  return dp_product(x, P, N, bias, true);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("bf16dp_pack(Tensor w) -> Tensor");
   m.def("bf16dp_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16dp1_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
   m.impl("bf16dp_pack", &dp_pack);
   m.impl("bf16dp_linear", &dp_linear);
+  m.impl("bf16dp1_linear", &dp1_linear);
 }

@@ -6,7 +6,8 @@
 //              (what attention reads), mask [B|1, 1, G*N, span] | None, eps, H, Hk, D,
 //              qkv_in [T, in] | None, q_norm [D] | None, k_norm [D] | None) -> [T, d]
 // where each projection is (kind, packed, n, bias | None): kind 0 `bf16w_linear`, 1
-// `bf16amx_linear`, 2 `bf16dp_linear`, 3 `int8w_linear` on the packed weight of n outputs.
+// `bf16amx_linear`, 2 `bf16dp_linear`, 3 `int8w_linear`, 4 `bf16dp1_linear` on the packed weight of
+// n outputs.
 // `qkv_in` replaces rms_norm(x, ln1) as the QKV product's input (EAGLE-3's layer reads
 // [norm(embedding) ; norm(features)] and keeps the features as its residual stream x); ln1 is
 // then not read.
@@ -74,6 +75,8 @@ torch::Tensor dp_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t 
                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8w_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
                            const c10::optional<torch::Tensor>& bias);
+torch::Tensor dp1_linear(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
+                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
                                         const torch::Tensor& w, double eps);
@@ -100,6 +103,7 @@ torch::Tensor product(int64_t kind, const torch::Tensor& x, const torch::Tensor&
     case 1: return amx_linear(x, P, n, bias);
     case 2: return dp_linear(x, P, n, bias);
     case 3: return int8w_linear(x, P, n, bias);
+    case 4: return dp1_linear(x, P, n, bias);
     default: TORCH_CHECK(false, "unknown product kind ", kind);
   }
 }
