@@ -147,7 +147,7 @@ def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, 
     # x rounded to bf16, exact products; rows alone as in any block of rows (bf16amx: from m = 17
     # on, a 16-row chunk and the next (up to 16 rows) run as a pair, row m - 1 in the second one,
     # row m // 2 there from m = 32 on; bf16dp: passes of up to 8 rows, 4 blocks at a time for up to 6
-    # rows, 3 for 7-8; bf16dp1: up to 8 rows a block at a time)
+    # rows, 3 for 7-8; bf16dp1: up to 16 rows in one pass, a block at a time)
     pack, linear, pack_name = pairs
     x, packed = _check_product(
         pack, linear, m, n, k, lambda x: x.to(torch.bfloat16), rows_alone=(0, m // 2, m - 1)
@@ -157,10 +157,10 @@ def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, 
             linear(x[:, : k // 2], packed, n, None)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 16, 20])
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 12, 13, 16, 17, 20])
 def test_bf16dp_in_one_stream_gives_the_same_bits(ops, m):
-    # bf16dp1 reads the same packing a block at a time: the same sums in the same order, so the
-    # same bits as bf16dp (which reads 3-4 blocks at once) at every row count
+    # bf16dp1 reads the same packing a block at a time, up to 16 rows in one pass: the same sums
+    # in the same order, so the same bits as bf16dp (3-4 blocks at once, passes of 8 rows)
     try:
         packed = ops.bf16dp_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
     except RuntimeError as e:

@@ -22,12 +22,12 @@
 // row takes the same instructions whatever M is and whichever pass it falls in, so a row's result
 // does not depend on the rows beside it.
 //
-// `bf16dp1_linear` is the same product on the same packing with one stream, a block at a time,
-// for up to 8 rows (past 8 both run the same passes): the same sums in the same order, so the
-// same bits. Which reads faster depends on the CPU, and `models.formats` times both: on a 2-core
+// `bf16dp1_linear` is the same product on the same packing with up to 16 rows in one pass and one
+// stream, a block at a time (past 16 rows both run the same passes): the same sums in the same
+// order, so the same bits. Which reads faster depends on the CPU, and `models.formats` times both: on a 2-core
 // Zen 5 one stream took 0.84-0.90x the time of 3-4 for one forward's products at 1-8 rows (43-59
 // GB/s against 37-52, same-process alternation), the prefetch distance mattering little (64-384
-// pairs within 3 %), whereas on the Zen 4 above one stream of the AMX layout (the same way of
+// pairs within 3 %), and one pass of 9-16 rows 0.73-0.90x two passes of 8; whereas on the Zen 4 above one stream of the AMX layout (the same way of
 // reading) ran one row at 19-24 GB/s against 26-28 for 3-4 streams.
 //
 // Compiled for its own target; `bf16dp_pack` raises on a CPU without AVX512-BF16 (a safety
@@ -75,7 +75,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) inline void tile(const in
                    _MM_HINT_T1);
       w[b] = (__m512bh)_mm512_loadu_si512(src);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(x2[m * K2 + k]);
 #pragma GCC unroll 8
@@ -112,22 +112,9 @@ void prange(const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias,
   }
 }
 
-// Rows [0, R) (R <= 8) against blocks [b0, b1): one pass, 4 streams up to 6 rows, 3 beyond; or
-// (`one`) a single stream, a block at a time.
-void rows_pass(int R, bool one, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y,
-               int64_t N, int64_t b0, int64_t b1) {
-  if (one) {
-    switch (R) {
-      case 1: return prange<1, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 2: return prange<2, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 3: return prange<3, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 4: return prange<4, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 5: return prange<5, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 6: return prange<6, 1>(x2, K2, P, bias, y, N, b0, b1);
-      case 7: return prange<7, 1>(x2, K2, P, bias, y, N, b0, b1);
-      default: return prange<8, 1>(x2, K2, P, bias, y, N, b0, b1);
-    }
-  }
+// Rows [0, R) (R <= 8) against blocks [b0, b1): one pass, 4 streams up to 6 rows, 3 beyond.
+void rows_pass(int R, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y, int64_t N,
+               int64_t b0, int64_t b1) {
   switch (R) {
     case 1: prange<1, 4>(x2, K2, P, bias, y, N, b0, b1); break;
     case 2: prange<2, 4>(x2, K2, P, bias, y, N, b0, b1); break;
@@ -138,6 +125,16 @@ void rows_pass(int R, bool one, const int32_t* x2, int64_t K2, const uint16_t* P
     case 7: prange<7, 3>(x2, K2, P, bias, y, N, b0, b1); break;
     default: prange<8, 3>(x2, K2, P, bias, y, N, b0, b1); break;
   }
+}
+
+// Rows [0, R) (R <= 16) against blocks [b0, b1) in one stream, a block at a time (bf16dp1).
+template <int R = 1>
+void rows_pass1(int rows, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y, int64_t N,
+                int64_t b0, int64_t b1) {
+  if constexpr (R < 16) {
+    if (rows != R) return rows_pass1<R + 1>(rows, x2, K2, P, bias, y, N, b0, b1);
+  }
+  prange<R, 1>(x2, K2, P, bias, y, N, b0, b1);
 }
 
 }  // namespace
@@ -156,7 +153,7 @@ torch::Tensor dp_pack(const torch::Tensor& w) {
   return P;
 }
 
-// y = x @ w.T (+ bias); `one`: up to 8 rows in a single stream (bf16dp1_linear), else in 3-4.
+// y = x @ w.T (+ bias); `one` (bf16dp1_linear): up to 16 rows in one pass and one stream.
 static torch::Tensor dp_product(const torch::Tensor& x, const torch::Tensor& P, int64_t N,
                                 const c10::optional<torch::Tensor>& bias, bool one) {
   TORCH_CHECK(cpu_has_avx512bf16(), "this CPU has no AVX512-BF16 instructions");
@@ -174,15 +171,20 @@ static torch::Tensor dp_product(const torch::Tensor& x, const torch::Tensor& P, 
   const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
   float* yp = y.data_ptr<float>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-  // Up to 8 rows (one pass, nothing to keep in L2 for a next one) the threads share the blocks a
-  // tile at a time: a finer last share for the thread that finishes first to take than SWEEP
-  // blocks, of which a 576-output product has 3 (one forward's products 0.96-0.98x the time at
-  // 2-8 rows, the same at 1 and 16: a 2-core Zen 5, same-process alternation)
-  const int64_t per = M > 8 ? SWEEP : one ? 4 : M > 6 ? 3 : 4;
-  const bool single = one && M <= 8;  // past 8 rows both run the same passes
-  specdecode_kernels::split_sweeps(nb, per, M == 1, [&](int64_t c0, int64_t c1) {
+  // Up to one pass of rows (bf16dp1: up to 16 rows in one stream; else 8), with nothing to keep in
+  // L2 for a next pass, the threads share the blocks a tile at a time: a finer last share for the
+  // thread that finishes first to take than SWEEP blocks, of which a 576-output product has 3 (one
+  // forward's products 0.96-0.98x the time at 2-8 rows, the same at 1 and 16: a 2-core Zen 5,
+  // same-process alternation). Past that, passes of 8 rows in 3-4 streams over sweeps in L2.
+  if (one && M <= 16) {
+    specdecode_kernels::split_sweeps(nb, 4, M == 1, [&](int64_t c0, int64_t c1) {
+      rows_pass1(static_cast<int>(M), x2, K2, pp, bp, yp, N, c0, c1);
+    });
+    return y;
+  }
+  specdecode_kernels::split_sweeps(nb, M > 8 ? SWEEP : M > 6 ? 3 : 4, M == 1, [&](int64_t c0, int64_t c1) {
     for (int64_t m = 0; m < M; m += 8)
-      rows_pass(static_cast<int>(std::min<int64_t>(8, M - m)), single, x2 + m * K2, K2, pp, bp, yp + m * N, N, c0, c1);
+      rows_pass(static_cast<int>(std::min<int64_t>(8, M - m)), x2 + m * K2, K2, pp, bp, yp + m * N, N, c0, c1);
   });
   return y;
 }
