@@ -157,7 +157,7 @@ def test_pair_kernels_are_the_product_of_bf16_inputs_accumulated_in_fp32(pairs, 
             linear(x[:, : k // 2], packed, n, None)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 12, 13, 16, 17, 20])
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 7, 8, 9, 12, 13, 16, 17, 20])
 def test_bf16dp_in_one_stream_gives_the_same_bits(ops, m):
     # bf16dp1 reads the same packing a block at a time, up to 16 rows in one pass: the same sums
     # in the same order, so the same bits as bf16dp (3-4 blocks at once, passes of 8 rows)

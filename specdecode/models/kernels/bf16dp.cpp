@@ -24,11 +24,12 @@
 //
 // `bf16dp1_linear` is the same product on the same packing with up to 16 rows in one pass and one
 // stream, a block at a time (past 16 rows both run the same passes): the same sums in the same
-// order, so the same bits. Which reads faster depends on the CPU, and `models.formats` times both: on a 2-core
-// Zen 5 one stream took 0.84-0.90x the time of 3-4 for one forward's products at 1-8 rows (43-59
-// GB/s against 37-52, same-process alternation), the prefetch distance mattering little (64-384
-// pairs within 3 %), and one pass of 9-16 rows 0.73-0.90x two passes of 8; whereas on the Zen 4 above one stream of the AMX layout (the same way of
-// reading) ran one row at 19-24 GB/s against 26-28 for 3-4 streams.
+// order, so the same bits. Which reads faster depends on the CPU, and `models.formats` times both:
+// on a 2-core Zen 5 one stream took 0.84-0.90x the time of 3-4 for one forward's products at 1-8
+// rows (41-53 GB/s, benchmarks/results/products-smollm2-135m-epyc-zen5), one pass of 12 rows
+// 0.73x two passes of 8 (16 rows 0.90x), the prefetch distance mattering little (64-384 pairs
+// within 3 %, same-process alternation); on the Zen 4 above one stream of the AMX layout (the
+// same way of reading) ran one row at 19-24 GB/s against 26-28 for 3-4 streams.
 //
 // Compiled for its own target; `bf16dp_pack` raises on a CPU without AVX512-BF16 (a safety
 // check only: whether the kernel is used is decided by timing it).
@@ -113,8 +114,8 @@ void prange(const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias,
 }
 
 // Rows [0, R) (R <= 8) against blocks [b0, b1): one pass, 4 streams up to 6 rows, 3 beyond.
-void rows_pass(int R, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y, int64_t N,
-               int64_t b0, int64_t b1) {
+void rows_pass(int R, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y,
+               int64_t N, int64_t b0, int64_t b1) {
   switch (R) {
     case 1: prange<1, 4>(x2, K2, P, bias, y, N, b0, b1); break;
     case 2: prange<2, 4>(x2, K2, P, bias, y, N, b0, b1); break;
@@ -129,8 +130,8 @@ void rows_pass(int R, const int32_t* x2, int64_t K2, const uint16_t* P, const fl
 
 // Rows [0, R) (R <= 16) against blocks [b0, b1) in one stream, a block at a time (bf16dp1).
 template <int R = 1>
-void rows_pass1(int rows, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y, int64_t N,
-                int64_t b0, int64_t b1) {
+void rows_pass1(int rows, const int32_t* x2, int64_t K2, const uint16_t* P, const float* bias, float* y,
+                int64_t N, int64_t b0, int64_t b1) {
   if constexpr (R < 16) {
     if (rows != R) return rows_pass1<R + 1>(rows, x2, K2, P, bias, y, N, b0, b1);
   }
@@ -170,6 +171,7 @@ static torch::Tensor dp_product(const torch::Tensor& x, const torch::Tensor& P, 
   torch::Tensor bc;
   const float* bp = specdecode_kernels::bias_f32(bias, N, bc);
   float* yp = y.data_ptr<float>();
+  if (M == 0) return y;
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
   // Up to one pass of rows (bf16dp1: up to 16 rows in one stream; else 8), with nothing to keep in
   // L2 for a next pass, the threads share the blocks a tile at a time: a finer last share for the
