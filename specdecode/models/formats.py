@@ -19,8 +19,8 @@ Contract:
     AVX-512 (`kernels.barred`: how the AVX2 kind is emulated);
   - `bf16-dp`: the same arithmetic on AVX512-BF16 dot-product instructions
     (`models/kernels/bf16dp.cpp`), for CPUs that have those but no AMX; absent elsewhere;
-    `bf16-dp1` the same packing and bits, up to 8 rows read as one memory stream instead of 3-4
-    (which reads faster depends on the CPU, see bf16dp.cpp: timing picks);
+    `bf16-dp1` the same packing and bits, up to 16 rows in one pass read as one memory stream
+    instead of 3-4 (which reads faster depends on the CPU, see bf16dp.cpp: timing picks);
   - `int8` (weight-only, one scale per output row) and `int4` (weight-only, groups of 32,
     asymmetric), PyTorch's own CPU kernels, and `int8w`, the same int8 weights in our AVX2
     kernel beside `bf16w` (widened to fp32 in registers, fp32 accumulation; decode_layer's
@@ -258,7 +258,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Product]] = {
     # packed [ceil(out/32), ceil(in/32), 2, 16, 16, 2]
     "bf16-amx": _ours("bf16-amx", "bf16amx_pack", "bf16amx_linear"),
     "bf16-dp": _ours("bf16-dp", "bf16dp_pack", "bf16dp_linear"),  # packed [ceil(out/16), ceil(in/2), 16, 2]
-    # the same packing, up to 8 rows read as one stream (which of the two is faster depends on the CPU)
+    # the same packing, up to 16 rows read as one stream (which of the two is faster depends on the CPU)
     "bf16-dp1": _ours("bf16-dp1", "bf16dp_pack", "bf16dp1_linear"),
     "int8w": _ours("int8w", "int8w_pack", "int8w_linear", int8_quantize),  # packed [ceil(out/16), in + 4, 16]
     "int8": _int8(torch.float32),

@@ -12,7 +12,7 @@ Contract:
   - the AVX512-BF16 product of `bf16dp.cpp`: `bf16dp_pack(w [N, K] bf16)` once (raises on a
     CPU without AVX512-BF16), then `bf16dp_linear(x [M, K] fp32, packed, N, bias | None)`
     (the AMX product's arithmetic on vector dot-product instructions, in a layout of its own),
-    and `bf16dp1_linear`, the same on the same packing, up to 8 rows read as one stream;
+    and `bf16dp1_linear`, the same on the same packing, up to 16 rows read as one stream;
   - the fused fp32 layer ops of `fused.cpp` (`rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`,
     `attention`; contracts in that file), DSpark's Markov passes `markov_argmax` and
     `markov_sample`, and `markov_topk` (a DSpark tree node's children);
