@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.models import kernels
 from specdecode.models.formats import BUCKETS, FormatPlan
 from specdecode.models.loader import load_model
 
@@ -184,7 +185,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": a.target, "bandwidth_gbs": bw, "arith_gflops": arith, "peak_gflops": peak,
             "threads": torch.get_num_threads(), "cpu": _cpu(), "torch": torch.__version__,
-            "command": " ".join(sys.argv)}  # fmt: skip
+            "command": " ".join(sys.argv), "kernel_choices": dict(kernels.choices)}  # fmt: skip
     (out / "results.json").write_text(json.dumps({"meta": meta, "formats": res}, indent=1))
     (out / "report.md").write_text(report(meta, res))
     print((out / "report.md").read_text())
@@ -230,12 +231,14 @@ def _cpu() -> str:
 
 
 def report(meta: dict, res: dict) -> str:
+    choices = meta.get("kernel_choices", {})  # variants of our kernels chosen by timing (models.kernels)
     lines = [
         f"# Runtime: where a target step goes ({meta['target']})",
         "",
         f"Machine: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; read bandwidth "
         f"measured here {meta['bandwidth_gbs']:.1f} GB/s. One forward of N new tokens, batch 1, over a "
-        f"{CONTEXT}-token cache; medians, formats interleaved per repeat.",
+        f"{CONTEXT}-token cache; medians, formats interleaved per repeat."
+        + "".join(f" Timed when the kernels loaded: {k}, {v}." for k, v in choices.items()),
         "",
         f"Command: `python {meta['command']}`",
         "",

@@ -10,7 +10,7 @@ whether an old record answers the question at all (e.g. costs for enough tokens)
 not is measured anew from the first attempt. `cpu=False` (a GPU measurement, where the host
 waits) stamps a share of 1.0: the rule is about CPU cores shared with other work.
 `run_with_share(fn)` is that timing alone; `read_record` / `write_record` are the plain JSON
-reads and atomic writes.
+reads and atomic writes; `cpu_model()` names the CPU for the cache keys.
 
 Why: format plans, step costs and drafting-round costs are measured once per machine and then
 steer every later run (which kernel, which K). One taken while a training job or a test suite
@@ -56,6 +56,17 @@ def run_with_share(fn: Callable[[], dict]) -> tuple[dict, float]:
     out = fn()
     wall = max(time.perf_counter() - wall, 1e-9)
     return out, (time.process_time() - clock) / (wall * torch.get_num_threads())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (part of every cache key of a measurement), or "unknown"."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def is_final(rec: dict) -> bool:

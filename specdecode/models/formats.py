@@ -73,7 +73,7 @@ import torch
 
 from specdecode.assets import cache_dir
 from specdecode.errors import SpecDecodeError
-from specdecode.measured import cached_measurement
+from specdecode.measured import cached_measurement, cpu_model
 from specdecode.models import kernels
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)  # rows M of a product: one step ... prefill, training
@@ -378,16 +378,6 @@ class Linear:
 
 
 # ---- measurement ------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def measure_kernels(
     shapes: Sequence[tuple[int, int]],  # (out, in) of one layer's products
     head: tuple[int, int] | None,  # (out, in) of the LM head, or None
@@ -493,7 +483,7 @@ def _measurement_key(
     ident = [
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
-        _cpu_model(),
+        cpu_model(),
         str(torch.get_num_threads()),
         json.dumps([list(s) for s in shapes]),
         str(head),
@@ -530,7 +520,7 @@ def auto_plan(
             "plan": plan.to_json(),
             "name": plan.name,
             "ms_per_forward": profile,
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

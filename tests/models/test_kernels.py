@@ -122,6 +122,30 @@ def test_bf16w_reads_strided_inputs_and_refuses_wrong_ones(ops):
         ops.int8w_linear(x, ops.bf16w_pack(w), 12, None)
 
 
+@pytest.mark.parametrize("n,k", [(96, 128), (33, 40), (200, 64), (5, 576), (400, 24)])
+def test_bf16w_one_row_is_the_same_in_2_and_3_streams(ops, n, k):
+    """A one-row product reads 2 or 3 blocks side by side (`bf16w_streams`, chosen by timing when
+    the extension loads): the same bits either way, and the same as that row in a block of rows."""
+    chosen = ops.bf16w_streams(0)
+    assert kernels.choices["bf16w one row"].startswith(f"{chosen} streams")  # the timed choice is in use
+    gen = torch.Generator().manual_seed(n + k)
+    x, w, b = (
+        torch.randn(5, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, generator=gen),
+    )
+    packed = ops.bf16w_pack(w.to(torch.bfloat16))
+    try:
+        got = {s: ops.bf16w_linear(x[:1], packed, n, b) for s in (2, 3) if ops.bf16w_streams(s) == s}
+    finally:
+        ops.bf16w_streams(chosen)
+    assert set(got) == {2, 3}
+    assert torch.equal(got[2], got[3])
+    assert torch.equal(got[3], ops.bf16w_linear(x, packed, n, b)[:1])
+    with pytest.raises(RuntimeError, match="2 or 3"):
+        ops.bf16w_streams(4)
+
+
 PAIR_PACKS = {
     "bf16amx": "bf16amx_pack",
     "bf16dp": "bf16dp_pack",

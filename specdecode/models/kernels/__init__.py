@@ -17,7 +17,9 @@ Contract:
     `attention`; contracts in that file), DSpark's Markov passes `markov_argmax` and
     `markov_sample`, and `markov_topk` (a DSpark tree node's children);
     `attention_avx512(on)` switches attention's value pass between AVX-512 and 8 lanes (the
-    same result bit for bit; chosen by timing both when the extension loads, `choices`);
+    same result bit for bit; chosen by timing both when the extension loads, `choices`), and
+    `bf16w_streams(n)` a one-row `bf16w` product between 2 and 3 blocks read side by side
+    (the same result; the faster timed once per machine and cached, `choices`);
   - `decode_layer` of `layer.cpp`: a whole decoder layer of the native runtime in one call
     (those ops and our products, called directly, in the Python path's order; contract there),
     `decode_layers` (every layer of a forward: decode_layer a layer, looped in C++; a drafter's
@@ -60,6 +62,9 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from specdecode.assets import cache_dir
+from specdecode.measured import cached_measurement, cpu_model
 
 HERE = Path(__file__).parent
 SOURCES = ("bf16w.cpp", "fused.cpp", "amx.cpp", "bf16dp.cpp", "layer.cpp", "verify.cpp")
@@ -111,6 +116,7 @@ def _ops():
         )
         unavailable.pop("cpu", None)
         _choose_value_pass(torch.ops.specdecode)
+        _choose_one_row_streams(torch.ops.specdecode)
         return torch.ops.specdecode
     except Exception as e:  # no compiler, no ninja, a failed build: the kernels are just absent
         unavailable["cpu"] = f"could not build {', '.join(SOURCES)}: {type(e).__name__}: {str(e)[:300]}"
@@ -159,6 +165,41 @@ def _choose_value_pass(ops) -> None:
     off_us, on_us = (statistics.median(times[x]) * 1e6 for x in (False, True))
     ops.attention_avx512(on_us <= off_us)
     choices["attention"] = f"{'AVX-512' if on_us <= off_us else '8 lanes'} ({on_us:.0f} vs {off_us:.0f} us)"
+
+
+def _choose_one_row_streams(ops) -> None:
+    """How many blocks a one-row `bf16w` product reads side by side, 2 or 3 (the same outputs bit
+    for bit, see bf16w.cpp): the faster of both timed on this machine once (`_time_streams`),
+    cached like the format plans (`measured.cached_measurement`: measured again after a busy
+    first try) under torch's version, the CPU, the threads and these sources. In `choices`."""
+    ident = "|".join((torch.__version__, cpu_model(), str(torch.get_num_threads()), source_tag()))
+    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    rec = cached_measurement(
+        cache_dir() / "kernels" / f"bf16w-streams-{key}.json", lambda: _time_streams(ops)
+    )
+    ops.bf16w_streams(rec["streams"])
+    us = rec["us"]
+    choices["bf16w one row"] = f"{rec['streams']} streams ({us['3']:.0f} vs {us['2']:.0f} us for 3 and 2)"
+
+
+def _time_streams(ops) -> dict:
+    """One-row products of 16 layers of a small model's shapes (72 MiB of weights, past the L3
+    caches as a step's are) with 2 and 3 streams, alternately: the faster, and both medians."""
+    shapes = [(1024, 512), (512, 512), (2048, 512), (512, 1024)] * 16  # a layer's products, [N, K]
+    packed = [
+        (ops.bf16w_pack(torch.full(s, 0.01, dtype=torch.bfloat16)), s[0], torch.ones(1, s[1])) for s in shapes
+    ]
+    times: dict[int, list[float]] = {2: [], 3: []}
+    for rep in range(33):
+        for streams in (2, 3) if rep % 2 else (3, 2):
+            ops.bf16w_streams(streams)
+            t0 = time.perf_counter()
+            for p, n, x in packed:
+                ops.bf16w_linear(x, p, n, None)
+            if rep >= 2:  # warm-up
+                times[streams].append(time.perf_counter() - t0)
+    us = {str(s): statistics.median(times[s]) * 1e6 for s in (2, 3)}
+    return {"streams": 3 if us["3"] < us["2"] else 2, "us": us}
 
 
 def fused():

@@ -26,17 +26,26 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "products.h"
 
 namespace {
 
 constexpr int64_t PB = 16;  // output rows per packed block
-constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-2):
+constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of prange's NB 1-3):
                               // 6 x 16 x K bf16, 288 KiB at K = 1536, stay in a core's L2
+
+// Blocks a one-row bf16w product reads side by side (streams; accumulator chains: twice that): 2
+// or 3, set by `bf16w_streams`, which models.kernels calls with the faster of both timed when the
+// extension loads. Which wins depends on the machine (a Zen 3: 3 streams 0.92-0.93x 2's time for
+// one forward's products; earlier AVX2 machines read 2 ahead of 1 and 3); a row's outputs are the
+// same either way (one chain per output, in the order of k).
+std::atomic<int> g_one_row_streams{2};
 
 // A weight format: its element type T, the steps of k a packed block spans (`steps`), the
 // prefetch distance PF in steps of k (bf16: 3 KiB; 32 left 4-row passes waiting; int8: the same
@@ -160,7 +169,12 @@ void narrow_linear(const float* xp, int64_t M, int64_t K, const typename W::T* p
       case 4: prange<W, 4, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
       case 3: prange<W, 3, 1>(xr, K, pp, bp, yr, N, c0, c1); break;
       case 2: prange<W, 2, 2>(xr, K, pp, bp, yr, N, c0, c1); break;
-      case 1: prange<W, 1, 2>(xr, K, pp, bp, yr, N, c0, c1); break;  // 2 streams beat 1 and 3
+      case 1:
+        if (std::is_same_v<W, Bf16> && g_one_row_streams.load(std::memory_order_relaxed) == 3)
+          prange<W, 1, 3>(xr, K, pp, bp, yr, N, c0, c1);
+        else  // int8w: 2 (timed on bf16w only)
+          prange<W, 1, 2>(xr, K, pp, bp, yr, N, c0, c1);
+        break;
       default: break;
     }
   };
@@ -230,6 +244,14 @@ torch::Tensor int8w_linear(const torch::Tensor& x, const torch::Tensor& P, int64
   return narrow_product<Int8>(x, P.data_ptr<int8_t>(), P.size(0), N, bias);
 }
 
+// bf16w_streams(n): a one-row bf16w product reads n = 2 or 3 blocks side by side from now on (0:
+// unchanged); returns the number in use. The outputs are the same bit for bit either way.
+int64_t bf16w_streams(int64_t n) {
+  TORCH_CHECK(n == 0 || n == 2 || n == 3, "bf16w_streams takes 2 or 3 (0 asks)");
+  if (n != 0) g_one_row_streams.store(static_cast<int>(n));
+  return g_one_row_streams.load();
+}
+
 // Dispatcher ops (torch.ops.specdecode.bf16w_linear, ...), so profilers and torch.compile see a
 // named product rather than an opaque Python call.
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
@@ -237,6 +259,7 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("bf16w_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("int8w_pack(Tensor q, Tensor scale) -> Tensor");
   m.def("int8w_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16w_streams(int n) -> int", &bf16w_streams);
 }
 
 TORCH_LIBRARY_IMPL(specdecode, CPU, m) {
