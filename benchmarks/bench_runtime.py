@@ -238,7 +238,11 @@ def report(meta: dict, res: dict) -> str:
         f"Machine: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; read bandwidth "
         f"measured here {meta['bandwidth_gbs']:.1f} GB/s. One forward of N new tokens, batch 1, over a "
         f"{CONTEXT}-token cache; medians, formats interleaved per repeat."
-        + "".join(f" Timed when the kernels loaded: {k}, {v}." for k, v in choices.items()),
+        + (
+            f" Timed when the kernels loaded: {'; '.join(f'{k}, {v}' for k, v in choices.items())}."
+            if choices
+            else ""
+        ),
         "",
         f"Command: `python {meta['command']}`",
         "",

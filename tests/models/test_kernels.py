@@ -146,6 +146,21 @@ def test_bf16w_one_row_is_the_same_in_2_and_3_streams(ops, n, k):
         ops.bf16w_streams(4)
 
 
+def test_bf16w_streams_are_chosen_without_a_writable_cache(ops, monkeypatch, tmp_path):
+    """Where the measurement cannot be cached (the cache path is a file), the streams are timed
+    for the process alone: the kernels stay available."""
+    chosen = ops.bf16w_streams(0)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setattr(kernels, "cache_dir", lambda: blocker)
+    monkeypatch.setattr(kernels, "choices", dict(kernels.choices))  # the process's record comes back after
+    try:
+        kernels._choose_one_row_streams(ops)
+        assert kernels.choices["bf16w one row"].startswith(f"{ops.bf16w_streams(0)} streams")
+    finally:
+        ops.bf16w_streams(chosen)
+
+
 PAIR_PACKS = {
     "bf16amx": "bf16amx_pack",
     "bf16dp": "bf16dp_pack",

@@ -174,9 +174,11 @@ def _choose_one_row_streams(ops) -> None:
     first try) under torch's version, the CPU, the threads and these sources. In `choices`."""
     ident = "|".join((torch.__version__, cpu_model(), str(torch.get_num_threads()), source_tag()))
     key = hashlib.sha256(ident.encode()).hexdigest()[:24]
-    rec = cached_measurement(
-        cache_dir() / "kernels" / f"bf16w-streams-{key}.json", lambda: _time_streams(ops)
-    )
+    path = cache_dir() / "kernels" / f"bf16w-streams-{key}.json"
+    try:
+        rec = cached_measurement(path, lambda: _time_streams(ops))
+    except OSError:  # no writable cache directory: timed for this process alone
+        rec = _time_streams(ops)
     ops.bf16w_streams(rec["streams"])
     us = rec["us"]
     choices["bf16w one row"] = f"{rec['streams']} streams ({us['3']:.0f} vs {us['2']:.0f} us for 3 and 2)"
