@@ -41,8 +41,8 @@ constexpr int64_t SWEEP = 6;  // blocks per sweep over the rows (a multiple of p
                               // 6 x 16 x K bf16, 288 KiB at K = 1536, stay in a core's L2
 
 // Blocks a one-row bf16w product reads side by side (streams; accumulator chains: twice that): 2
-// or 3, set by `bf16w_streams`, which models.kernels calls with the faster of both timed when the
-// extension loads. Which wins depends on the machine (a Zen 3: 3 streams 0.92-0.93x 2's time for
+// or 3, set by `bf16w_streams`, which models.kernels calls with the faster of both (timed once per
+// machine and cached). Which wins depends on the machine (a Zen 3: 3 streams 0.92-0.93x 2's time for
 // one forward's products; earlier AVX2 machines read 2 ahead of 1 and 3); a row's outputs are the
 // same either way (one chain per output, in the order of k).
 std::atomic<int> g_one_row_streams{2};
