@@ -6,6 +6,8 @@ remainders, K not a multiple of the tile)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -157,6 +159,22 @@ def test_bf16w_streams_are_chosen_without_a_writable_cache(ops, monkeypatch, tmp
     try:
         kernels._choose_one_row_streams(ops)
         assert kernels.choices["bf16w one row"].startswith(f"{ops.bf16w_streams(0)} streams")
+    finally:
+        ops.bf16w_streams(chosen)
+
+
+def test_bf16w_streams_record_without_a_count_is_measured_again(ops, monkeypatch, tmp_path):
+    """A cached record that says nothing of the streams (another writer's, or damaged) is timed
+    again and replaced, not read as a choice (a KeyError there would leave the kernels unbuilt)."""
+    chosen = ops.bf16w_streams(0)
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernels, "choices", dict(kernels.choices))
+    kernels._choose_one_row_streams(ops)  # the record's path, from a first measurement
+    (path,) = (tmp_path / "kernels").glob("bf16w-streams-*.json")
+    path.write_text(json.dumps({"cpu_share": 1.0, "attempts": 1}))  # final, but no count
+    try:
+        kernels._choose_one_row_streams(ops)
+        assert json.loads(path.read_text())["streams"] == ops.bf16w_streams(0)
     finally:
         ops.bf16w_streams(chosen)
 

@@ -171,12 +171,13 @@ def _choose_one_row_streams(ops) -> None:
     """How many blocks a one-row `bf16w` product reads side by side, 2 or 3 (the same outputs bit
     for bit, see bf16w.cpp): the faster of both timed on this machine once (`_time_streams`),
     cached like the format plans (`measured.cached_measurement`: measured again after a busy
-    first try) under torch's version, the CPU, the threads and these sources. In `choices`."""
+    first try, or when the record holds no stream count) under torch's version, the CPU, the
+    threads and these sources. In `choices`."""
     ident = "|".join((torch.__version__, cpu_model(), str(torch.get_num_threads()), source_tag()))
     key = hashlib.sha256(ident.encode()).hexdigest()[:24]
     path = cache_dir() / "kernels" / f"bf16w-streams-{key}.json"
     try:
-        rec = cached_measurement(path, lambda: _time_streams(ops))
+        rec = cached_measurement(path, lambda: _time_streams(ops), valid=lambda r: r.get("streams") in (2, 3))
     except OSError:  # no writable cache directory: timed for this process alone
         rec = _time_streams(ops)
     ops.bf16w_streams(rec["streams"])
